@@ -1,0 +1,39 @@
+"""User-facing errors.
+
+Anything a user can cause (a bad config value, a missing data file, a corrupt
+index) raises :class:`HetpipeError` with one sentence that names the problem.
+Entry points catch it, print that one line and exit non-zero, so users never
+have to read a traceback to learn that a path was wrong.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn, TypeVar
+
+T = TypeVar("T")
+
+
+class HetpipeError(Exception):
+    """An error caused by input (config, data, checkpoint, peer), not by a bug."""
+
+
+class ConfigError(HetpipeError):
+    """A configuration value is missing, of the wrong kind, or out of range."""
+
+
+class DataError(HetpipeError):
+    """A data file or tokenizer is missing, malformed or inconsistent."""
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print ``hetpipe: error: <message>`` on stderr and exit with ``code``."""
+    print(f"hetpipe: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def run_cli(fn: Callable[[], T]) -> T:
+    """Run ``fn``; turn a :class:`HetpipeError` into one line and exit 2."""
+    try:
+        return fn()
+    except HetpipeError as exc:
+        fail(str(exc))
