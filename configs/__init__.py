@@ -1,0 +1,1 @@
+"""Hydra config groups (model/, train/, data/, ...); loaded as pkg://hetpipe.configs."""

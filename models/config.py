@@ -1,0 +1,119 @@
+"""Model shape: one dataclass for every supported decoder-only family.
+
+Field names follow Megatron-LM where the concept exists (``num_layers``,
+``ffn_hidden_size``, ``num_query_groups``, ``rotary_base`` ...), so users can
+carry their numbers over. The same dataclass is the hydra structured-config
+schema for the ``model`` group, so a typo'd field or a string where an int
+belongs is refused when the config is composed.
+
+Presets (``llama8b``, ``qwen2_7b``, ``tiny_llama``, ``tiny_qwen2``) live as
+YAML in ``configs/model/`` so that hydra and plain Python read the same file.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from importlib import resources
+from typing import Optional
+
+import yaml
+
+from hetpipe.errors import ConfigError
+
+FAMILIES = ("llama", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    # Which preset this is; names the run directory and the HF architecture.
+    name: str = "custom"
+    # "llama" (LLaMA-2/3 layout) or "qwen2" (adds q/k/v biases).
+    family: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    # SwiGLU intermediate size (the size of one of the two gate/up halves).
+    ffn_hidden_size: int = 172
+    num_attention_heads: int = 4
+    # Key/value heads (grouped-query attention); equal to heads means MHA.
+    num_query_groups: int = 4
+    # Per-head size; None means hidden_size // num_attention_heads.
+    kv_channels: Optional[int] = None
+    vocab_size: int = 512
+    # Longest sequence the model is built for; seq_length may not exceed it.
+    max_position_embeddings: int = 256
+    # RoPE base (HF's rope_theta).
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    # Qwen2 has biases on the q/k/v projections.
+    add_qkv_bias: bool = False
+    # Tie the output head to the input embedding (Megatron's default is tied;
+    # LLaMA-3-8B and Qwen2-7B are untied, small Qwen2 models are tied).
+    share_embeddings_and_output_weights: bool = False
+    # Std of the normal init; output projections are scaled by 1/sqrt(2L).
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_units(self) -> int:
+        """Partitionable units: embedding, each decoder layer, head."""
+        return self.num_layers + 2
+
+    def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(
+                f"model.family={self.family!r} is not supported (choose one of {', '.join(FAMILIES)})")
+        for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                      "num_query_groups", "vocab_size", "max_position_embeddings"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be positive")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; set model.kv_channels")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"model.num_query_groups={self.num_query_groups}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head size {self.head_dim} must be even for rotary embeddings")
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of the full model (shared weights counted once)."""
+        h, hd = self.hidden_size, self.head_dim
+        qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * hd
+        attn = h * qkv_out + self.num_attention_heads * hd * h
+        if self.add_qkv_bias:
+            attn += qkv_out
+        mlp = 3 * h * self.ffn_hidden_size
+        layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h
+        head = h + (0 if self.share_embeddings_and_output_weights else self.vocab_size * h)
+        return embed + self.num_layers * layer + head
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def preset_names() -> list[str]:
+    """Names of the model presets shipped in configs/model/."""
+    root = resources.files("hetpipe.configs") / "model"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    """Load a preset from configs/model/<name>.yaml, applying keyword overrides."""
+    path = resources.files("hetpipe.configs") / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown model {name!r} (available: {', '.join(preset_names())})")
+    values = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "defaults"}
+    values.update(overrides)
+    unknown = set(values) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ConfigError(f"model {name!r}: unknown fields {sorted(unknown)}")
+    return ModelConfig(**values)

@@ -1,0 +1,154 @@
+"""A decoder-only causal LM built as an ordered list of partitionable units.
+
+Unit 0 is the token embedding, units 1..L are the decoder layers and unit L+1
+is the final norm + output head + loss. A pipeline stage is a contiguous slice
+of units, and :class:`CausalLM` builds either the whole model or one slice with
+the *same* parameter names (``embedding.weight``, ``layers.17.mlp.down.weight``,
+``head.norm.weight``), so checkpoints are keyed by model unit, never by rank.
+
+Weights are initialised per unit from a generator seeded by (seed, unit), so
+any split of the model across stages starts from identical weights - the
+precondition for bit-exact pipeline-vs-single-process parity.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetpipe.errors import ConfigError
+from hetpipe.models.config import ModelConfig
+from hetpipe.models.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inverse_frequencies
+
+
+def unit_generator(seed: int, unit: int, device: torch.device) -> torch.Generator:
+    """The RNG that initialises one unit, independent of where the unit lives."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + unit)
+    return gen
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+class Head(nn.Module):
+    """Final RMSNorm, output projection to the vocabulary, and the LM loss.
+
+    With tied embeddings and the embedding in the same module, the projection
+    reuses the embedding's weight (and the state dict holds it once). On a
+    pipeline stage without the embedding it keeps its own copy, initialised
+    identically; the pipeline keeps the two copies' gradients in sync.
+    """
+
+    def __init__(self, cfg: ModelConfig, tied_embedding: Optional[Embedding] = None) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        # A plain list hides the embedding from module registration, so its
+        # weight is not saved a second time under head.*.
+        self._tied = [tied_embedding] if tied_embedding is not None else []
+        self.output = None if self._tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self._tied[0].weight if self._tied else self.output.weight
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.output_weight)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over all positions, computed in fp32."""
+        logits = self.logits(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+class CausalLM(nn.Module):
+    """The whole model, or the contiguous slice of units [start, stop)."""
+
+    def __init__(self, cfg: ModelConfig, units: Optional[tuple[int, int]] = None) -> None:
+        super().__init__()
+        start, stop = units if units is not None else (0, cfg.num_units)
+        if not 0 <= start < stop <= cfg.num_units:
+            raise ConfigError(
+                f"unit range [{start}, {stop}) is not a non-empty slice of the "
+                f"{cfg.num_units} units of model {cfg.name!r}")
+        self.cfg = cfg
+        self.unit_range = (start, stop)
+        self.register_buffer(
+            "inv_freq", rope_inverse_frequencies(cfg.head_dim, cfg.rotary_base), persistent=False)
+        self.embedding = Embedding(cfg) if start == 0 else None
+        last_layer_unit = cfg.num_layers  # layer i is unit i + 1
+        self.layers = nn.ModuleDict({
+            str(unit - 1): DecoderLayer(cfg)
+            for unit in range(max(start, 1), min(stop, last_layer_unit + 1))
+        })
+        tied = self.embedding if cfg.share_embeddings_and_output_weights else None
+        self.head = Head(cfg, tied) if stop == cfg.num_units else None
+
+    @property
+    def is_first(self) -> bool:
+        return self.embedding is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.head is not None
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; loss, logits or hidden states out.
+
+        The last slice returns the scalar loss when ``labels`` is given and the
+        logits otherwise; any other slice returns hidden states [b, s, h].
+        """
+        x = self.embedding(inputs) if self.embedding is not None else inputs
+        if self.layers:
+            cos, sin = rope_cos_sin(self.inv_freq, x.shape[1], x.dtype)
+            for layer in self.layers.values():
+                x = layer(x, cos, sin)
+        if self.head is None:
+            return x
+        return self.head(x, labels) if labels is not None else self.head.logits(x)
+
+    def units(self) -> Iterator[tuple[int, nn.Module]]:
+        """(unit index, module) for each unit this slice holds, in order."""
+        if self.embedding is not None:
+            yield 0, self.embedding
+        for name, layer in self.layers.items():
+            yield int(name) + 1, layer
+        if self.head is not None:
+            yield self.cfg.num_units - 1, self.head
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every held unit from its own (seed, unit) generator."""
+        cfg, std = self.cfg, self.cfg.init_method_std
+        for unit, module in self.units():
+            device = next(module.parameters()).device
+            gen = unit_generator(seed, unit, device)
+            if isinstance(module, Embedding):
+                module.weight.normal_(0.0, std, generator=gen)
+            elif isinstance(module, DecoderLayer):
+                module.init_weights(cfg, gen)
+            else:
+                module.norm.weight.fill_(1.0)
+                if module.output is not None:
+                    # An untied head, or a tied head on a stage without the
+                    # embedding: the latter must start equal to the embedding.
+                    if cfg.share_embeddings_and_output_weights:
+                        gen = unit_generator(seed, 0, device)
+                    module.output.weight.normal_(0.0, std, generator=gen)
+
+
+def build_model(cfg: ModelConfig, seed: int, units: Optional[tuple[int, int]] = None,
+                device: torch.device | str = "cpu") -> CausalLM:
+    """Build and initialise the model (or a slice of it) directly on ``device``."""
+    with torch.device(device):
+        model = CausalLM(cfg, units)
+    model.init_weights(seed)
+    return model
