@@ -1,0 +1,151 @@
+"""Structured configs for ``python -m hetpipe.pretrain`` (hydra ConfigStore).
+
+Each dataclass is a config group's schema: hydra refuses unknown keys and
+values of the wrong type while composing, and ``__post_init__`` checks value
+ranges and cross-field rules when the composed config is turned into objects
+(:func:`resolve`). Field names follow Megatron-LM where it has the concept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from hetpipe.errors import ConfigError, HetpipeError
+from hetpipe.models.config import ModelConfig, preset_names
+
+
+@dataclass
+class TrainConfig:
+    # Sequences per microbatch on one data-parallel rank.
+    micro_batch_size: int = 4
+    # Sequences per optimizer step over all data-parallel ranks; the rest of
+    # the batch comes from gradient accumulation over microbatches.
+    global_batch_size: int = 16
+    # Tokens per sequence (each sample holds seq_length + 1 tokens).
+    seq_length: int = 128
+    # Optimizer steps to run.
+    train_iters: int = 100
+    # Seeds weights (per model unit) and the data order.
+    seed: int = 1234
+    # "auto" takes the GPU when there is one, else the CPU.
+    device: str = "auto"
+    # "auto" is bf16 autocast on GPU and fp32 on CPU.
+    precision: str = "auto"
+    # Steps between console log lines (metrics.jsonl gets every step).
+    log_interval: int = 10
+    # Dense peak TFLOP/s for MFU; None takes the device catalog's figure.
+    peak_tflops: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be positive")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"train.device={self.device!r} must be auto, cpu or cuda")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"train.precision={self.precision!r} must be auto, bf16 or fp32")
+
+
+@dataclass
+class OptimizerConfig:
+    # AdamW peak learning rate, reached after warmup.
+    lr: float = 3e-4
+    # Floor of the decay.
+    min_lr: float = 3e-5
+    lr_warmup_iters: int = 10
+    # Steps over which LR decays to min_lr; None means train_iters.
+    lr_decay_iters: Optional[int] = None
+    # cosine | linear | constant (Megatron's lr_decay_style)
+    lr_decay_style: str = "cosine"
+    # Applied to matrices only; norms, biases and embeddings' peers excluded as in Megatron.
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    # Global gradient-norm clipping threshold; 0 disables.
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optimizer: need 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.lr_decay_style not in ("cosine", "linear", "constant"):
+            raise ConfigError(
+                f"optimizer.lr_decay_style={self.lr_decay_style!r} must be cosine, linear or constant")
+        if self.lr_warmup_iters < 0 or self.clip_grad < 0:
+            raise ConfigError("optimizer.lr_warmup_iters and optimizer.clip_grad must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    # Prefix of a Megatron .bin/.idx pair, or "demo" for the built-in corpus
+    # (the Python standard library's source, tokenized on first use).
+    path: str = "demo"
+    # "byte" (built-in byte-level tokenizer) or a local HF tokenizer directory;
+    # must be the tokenizer the data was preprocessed with.
+    tokenizer: str = "byte"
+
+
+@dataclass
+class LoggingConfig:
+    # Mirror metrics to a wandb run in offline mode (needs the wandb package).
+    wandb: bool = False
+    wandb_project: str = "hetpipe"
+    # Show a rich progress bar on a terminal.
+    progress: bool = True
+
+
+@dataclass
+class PretrainConfig:
+    model: ModelConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.seq_length > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"train.seq_length={self.train.seq_length} exceeds model {self.model.name!r}'s "
+                f"max_position_embeddings={self.model.max_position_embeddings}")
+        decay = self.optimizer.lr_decay_iters
+        if decay is not None and decay < self.optimizer.lr_warmup_iters:
+            raise ConfigError(
+                f"optimizer.lr_decay_iters={decay} is shorter than lr_warmup_iters="
+                f"{self.optimizer.lr_warmup_iters}")
+
+
+def register_configs() -> None:
+    """Put the schemas into hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="pretrain_schema", node=PretrainConfig)
+    if not OmegaConf.has_resolver("hetpipe.model_name"):
+        # Names run directories; tolerates a config without a model so that
+        # hydra can still report that problem cleanly.
+        OmegaConf.register_new_resolver(
+            "hetpipe.model_name",
+            lambda *, _root_: "no-model" if OmegaConf.is_missing(_root_, "model") else _root_.model.name)
+
+
+def resolve(cfg: DictConfig | dict[str, Any]) -> PretrainConfig:
+    """Turn a composed config into checked dataclass objects, or raise ConfigError."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.merge(OmegaConf.structured(PretrainConfig), cfg)
+    if OmegaConf.is_missing(cfg, "model"):
+        raise ConfigError(f"no model chosen: add +model=NAME (one of {', '.join(preset_names())})")
+    try:
+        return OmegaConf.to_object(cfg)
+    except HetpipeError:
+        raise
+    except Exception as exc:  # OmegaConf wraps errors raised in __post_init__
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, HetpipeError):
+            raise cause from None
+        raise ConfigError(str(exc).splitlines()[0]) from None

@@ -1,0 +1,143 @@
+"""Per-step training metrics: JSONL in the run directory, console, wandb.
+
+Values stay on the device until a log interval ends, so logging adds one host
+synchronisation per interval, not per step (a per-step ``.item()`` would stall
+the GPU). Throughput is the interval's wall time divided by its steps, as
+Megatron reports it. TFLOP/s per device uses Megatron's model-FLOPs formula
+(``hetpipe.models.flops``); MFU divides it by the device's dense peak and is
+left empty where no peak is known (a CPU, an unlisted GPU).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from hetpipe.errors import ConfigError, HetpipeError
+
+
+@dataclass
+class _Pending:
+    step: int
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    consumed_samples: int
+
+
+@dataclass
+class MetricsLogger:
+    run_dir: Path
+    total_steps: int
+    tokens_per_step: int
+    flops_per_step: float
+    num_devices: int
+    peak_tflops: Optional[float]
+    log_interval: int = 10
+    progress: bool = True
+    wandb_project: Optional[str] = None
+    wandb_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self._pending: list[_Pending] = []
+        self._last_time = time.perf_counter()
+        self.console = Console(highlight=False)
+        self._bar = None
+        if self.progress and self.console.is_terminal:
+            self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[loss]}"), TimeRemainingColumn(),
+                                 console=self.console)
+            self._task = self._bar.add_task("train", total=self.total_steps, loss="")
+            self._bar.start()
+        self._wandb = self._start_wandb() if self.wandb_project else None
+
+    def _start_wandb(self):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("logging.wandb=true needs the wandb package: pip install 'hetpipe[wandb]'") from None
+        return wandb.init(project=self.wandb_project, dir=str(self.run_dir), mode="offline",
+                          name=self.run_dir.name, config=self.wandb_config)
+
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+               consumed_samples: int) -> None:
+        """Queue one optimizer step's values; flushes at the end of each interval."""
+        self._pending.append(_Pending(step, loss.detach(), grad_norm.detach(), lr, consumed_samples))
+        if step % self.log_interval == 0 or step == self.total_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        step_time = (now - self._last_time) / len(self._pending)
+        self._last_time = now
+        tflops = self.flops_per_step / step_time / self.num_devices / 1e12
+        rows = []
+        for p in self._pending:
+            loss = p.loss.item()
+            if not math.isfinite(loss):
+                self.close()
+                raise HetpipeError(f"training diverged: loss is {loss} at step {p.step} "
+                                   "(try a lower optimizer.lr or a smaller optimizer.clip_grad)")
+            rows.append({
+                "step": p.step,
+                "loss": loss,
+                "lr": p.lr,
+                "grad_norm": p.grad_norm.item(),
+                "consumed_samples": p.consumed_samples,
+                "step_time_s": step_time,
+                "tokens_per_s": self.tokens_per_step / step_time,
+                "tflops_per_device": tflops,
+                "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            })
+        self._pending.clear()
+        for row in rows:
+            self._file.write(json.dumps(row) + "\n")
+            if self._wandb is not None:
+                self._wandb.log(row, step=row["step"])
+        self._file.flush()
+        self._log_line(rows[-1])
+
+    def _log_line(self, row: dict[str, Any]) -> None:
+        mfu = f" | MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
+        line = (f"step {row['step']:>6}/{self.total_steps} | loss {row['loss']:.4f} | "
+                f"lr {row['lr']:.3e} | grad norm {row['grad_norm']:.3f} | "
+                f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.3f} TFLOP/s/device{mfu}")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=row["step"], loss=f"loss {row['loss']:.4f}")
+            self._bar.console.print(line, markup=False)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        self._pending.clear()
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl, in step order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise HetpipeError(f"{path}: no metrics file (is {run_dir} a hetpipe run directory?)")
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,31 @@
+"""Shared test helpers: repo paths, the shared corpus, running the CLIs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` as a user would, capturing output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def shakespeare_prefix(tmp_path_factory) -> str:
+    """tinyshakespeare byte-tokenized into a Megatron .bin/.idx pair (one document per paragraph)."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not present")
+    out = tmp_path_factory.mktemp("shakespeare")
+    proc = run_cli(["scripts/preprocess_data.py", "--input", str(SHAKESPEARE), "--tokenizer", "byte",
+                    "--text-sample-by", "paragraph", "--output-prefix", str(out / "shakespeare")])
+    assert proc.returncode == 0, proc.stderr
+    return str(out / "shakespeare_text_document")
