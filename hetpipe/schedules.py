@@ -1,0 +1,355 @@
+"""Pipeline schedules as plain data: what each pipeline rank does, in order.
+
+The order of forwards, backwards, sends and receives is where pipeline bugs
+live: a deadlock, a receive matched to the wrong message, gradients summed in
+a different order than a single-process run. All of these can be found
+without a GPU or a process, so schedules are pure functions returning one
+list of :class:`Action` per pipeline rank, the engine executes its rank's list
+verbatim, and :func:`simulate` runs all lists together under the transport's
+rules (asynchronous sends, blocking receives, FIFO matching per ordered pair
+of ranks, as NCCL point-to-point) to prove a schedule correct.
+
+Virtual stages follow Megatron's interleaving: chunk ``c`` on rank ``r`` is
+virtual stage ``v = c * P + r``; stage 0 reads the inputs and stage
+``P * num_chunks - 1`` computes the loss. A hand-off between consecutive
+virtual stages on the *same* rank (only possible with ``P == 1`` and several
+chunks) is local: no message, the engine passes the tensor in-process.
+
+Every receive is immediately followed by the computation that consumes it,
+and every send immediately follows the computation that produced it, so the
+engine can pair them with their neighbour; :func:`_with_communication` says
+why that order is also consistent with FIFO matching.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from hetpipe.errors import ConfigError
+
+FWD, BWD = "fwd", "bwd"
+SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD = "send_fwd", "recv_fwd", "send_bwd", "recv_bwd"
+ACTION_KINDS = (RECV_FWD, FWD, SEND_FWD, RECV_BWD, BWD, SEND_BWD)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# (fwd|bwd, microbatch, sender virtual stage): what the transport's header
+# identifies, so what a FIFO match must agree on.
+Message = tuple[str, int, int]
+# (fwd|bwd, microbatch, chunk): one computation on one rank.
+Compute = tuple[str, int, int]
+
+
+class ScheduleError(Exception):
+    """A schedule breaks the pipeline's rules: a bug in a schedule, not user input."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one pipeline rank.
+
+    ``chunk`` is the model chunk on this rank that computes, or whose
+    activations/gradients are sent or received; ``peer`` is the rank on the
+    other end of a send or receive and ``None`` for computations.
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        direction = "F" if self.kind in (FWD, SEND_FWD, RECV_FWD) else "B"
+        unit = f"{direction}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+        if self.kind.startswith("send_"):
+            return f"send{unit}->{self.peer}"
+        if self.kind.startswith("recv_"):
+            return f"recv{unit}<-{self.peer}"
+        return unit
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """GPipe: every rank runs all forwards, then all backwards.
+
+    Backwards run in increasing microbatch order (not GPipe's usual reverse)
+    so gradients accumulate in the same order as a single-process run.
+    """
+    _check_sizes(num_stages, num_microbatches, 1)
+    order = [(FWD, m, 0) for m in range(num_microbatches)]
+    order += [(BWD, m, 0) for m in range(num_microbatches)]
+    return _with_communication([order] * num_stages, 1)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """1F1B (PipeDream-flush, Megatron's non-interleaved schedule).
+
+    Rank ``s`` runs ``min(P - s - 1, M)`` warm-up forwards, then alternates
+    one forward and one backward, then drains the remaining backwards, so at
+    most ``P - s`` microbatches hold activations on it at once.
+    """
+    _check_sizes(num_stages, num_microbatches, 1)
+    orders = []
+    for rank in range(num_stages):
+        warmup = min(num_stages - rank - 1, num_microbatches)
+        order = [(FWD, m, 0) for m in range(warmup)]
+        for m in range(num_microbatches - warmup):
+            order += [(FWD, m + warmup, 0), (BWD, m, 0)]
+        order += [(BWD, m, 0) for m in range(num_microbatches - warmup, num_microbatches)]
+        orders.append(order)
+    return _with_communication(orders, 1)
+
+
+def interleaved_one_f_one_b(
+    num_stages: int, num_microbatches: int, num_chunks: int
+) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al., 2021).
+
+    Each rank holds ``num_chunks`` model chunks. Microbatches advance in groups
+    of ``P``: the k-th forward of a rank runs chunk ``(k // P) % num_chunks``
+    on the next microbatch of that chunk, and backwards visit the chunks in
+    reverse. Rank ``r`` warms up with ``2 * (P - r - 1) + (num_chunks - 1) * P``
+    forwards (capped at the total), then alternates, then drains.
+    """
+    _check_sizes(num_stages, num_microbatches, num_chunks)
+    if num_chunks < 2:
+        raise ConfigError(
+            f"interleaved_1f1b needs num_chunks >= 2, got {num_chunks}; use 1f1b for one chunk per rank"
+        )
+    if num_microbatches % num_stages:
+        raise ConfigError(
+            f"interleaved_1f1b needs num_microbatches ({num_microbatches}) to be a multiple "
+            f"of the pipeline size ({num_stages})"
+        )
+    total = num_microbatches * num_chunks
+
+    def unit(k: int, kind: str) -> Compute:
+        group, within = divmod(k, num_stages * num_chunks)
+        chunk = within // num_stages
+        if kind == BWD:
+            chunk = num_chunks - 1 - chunk
+        return kind, group * num_stages + within % num_stages, chunk
+
+    orders = []
+    for rank in range(num_stages):
+        warmup = min((num_stages - rank - 1) * 2 + (num_chunks - 1) * num_stages, total)
+        order = [unit(k, FWD) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [unit(k + warmup, FWD), unit(k, BWD)]
+        order += [unit(k, BWD) for k in range(total - warmup, total)]
+        orders.append(order)
+    return _with_communication(orders, num_chunks)
+
+
+def build_schedule(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> list[list[Action]]:
+    """The schedule called ``name`` ("gpipe", "1f1b" or "interleaved_1f1b")."""
+    if name == "interleaved_1f1b":
+        return interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks)
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if num_chunks != 1:
+        raise ConfigError(f"schedule {name!r} runs one chunk per rank, got num_chunks={num_chunks}; "
+                          "use interleaved_1f1b for several")
+    if name == "gpipe":
+        return gpipe(num_stages, num_microbatches)
+    return one_f_one_b(num_stages, num_microbatches)
+
+
+def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+    for label, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                         ("num_chunks", num_chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{label} must be a positive integer, got {value!r}")
+
+
+def _input_stage(kind: str, stage: int, last: int) -> int | None:
+    """The virtual stage whose output a computation of ``stage`` consumes."""
+    source = stage - 1 if kind == FWD else stage + 1
+    return source if 0 <= source <= last else None
+
+
+def _output_stage(kind: str, stage: int, last: int) -> int | None:
+    """The virtual stage that consumes what a computation of ``stage`` produces."""
+    target = stage + 1 if kind == FWD else stage - 1
+    return target if 0 <= target <= last else None
+
+
+def _with_communication(orders: list[list[Compute]], num_chunks: int) -> list[list[Action]]:
+    """Add sends and receives to each rank's computation order.
+
+    A receive goes right before the computation that consumes it and a send
+    right after the one that produced it. The transport matches messages FIFO
+    per (sender, receiver) pair, so this is only correct if each receiver
+    consumes a pair's messages in the order they were sent. With P >= 3 a pair
+    carries one direction only and both ends walk microbatches in the same
+    order. With P == 2 and interleaving, rank 0 sends rank 1 both activations
+    (chunk c) and gradients (chunk c + 1); Megatron's warm-up, two forwards
+    longer per rank, is what makes rank 1 need them in exactly the order rank
+    0 produces them, so no receive has to move. :func:`simulate` checks it.
+    """
+    num_ranks = len(orders)
+    last = num_ranks * num_chunks - 1
+    schedules = []
+    for rank, order in enumerate(orders):
+        actions: list[Action] = []
+        for kind, mb, chunk in order:
+            stage = chunk * num_ranks + rank
+            source = _input_stage(kind, stage, last)
+            if source is not None and source % num_ranks != rank:
+                actions.append(Action(RECV_FWD if kind == FWD else RECV_BWD, mb, chunk, source % num_ranks))
+            actions.append(Action(kind, mb, chunk))
+            target = _output_stage(kind, stage, last)
+            if target is not None and target % num_ranks != rank:
+                actions.append(Action(SEND_FWD if kind == FWD else SEND_BWD, mb, chunk, target % num_ranks))
+        schedules.append(actions)
+    return schedules
+
+
+@dataclass
+class SimulationResult:
+    """What a successful :func:`simulate` run measured."""
+
+    # Per rank, the peak number of (microbatch, chunk) units forwarded but not
+    # yet backwarded: the activation memory the schedule needs, in units.
+    max_live_activations: list[int]
+    # Rounds until every list finished, each rank doing at most one action a
+    # round: a rough makespan, larger when the pipeline bubble is.
+    steps: int
+
+
+def _describe(msg: Message) -> str:
+    kind, mb, stage = msg
+    return f"{'F' if kind == FWD else 'B'}{mb} from virtual stage {stage}"
+
+
+def simulate(schedules: list[list[Action]], num_chunks: int = 1) -> SimulationResult:
+    """Run all ranks' action lists together and check every pipeline rule.
+
+    Each round every rank attempts its next action. Sends never block and are
+    delivered at the end of the round into the (sender, receiver) FIFO; a
+    receive waits until that FIFO is non-empty, and its head must be exactly
+    the expected message. Raises :class:`ScheduleError` on a deadlock, a
+    mismatched or missing message, a computation without its input, a
+    backward before its forward or out of microbatch order, or a
+    (microbatch, virtual stage) not computed exactly once each way.
+    """
+    num_ranks = len(schedules)
+    if num_ranks == 0:
+        raise ScheduleError("a schedule needs at least one rank")
+    last = num_ranks * num_chunks - 1
+    fifos: dict[tuple[int, int], deque[Message]] = defaultdict(deque)
+    inbox: list[set[Message]] = [set() for _ in range(num_ranks)]  # received, not yet consumed
+    forwarded: set[tuple[int, int]] = set()  # (microbatch, virtual stage)
+    backwarded: set[tuple[int, int]] = set()
+    last_backward: dict[tuple[int, int], int] = {}  # (rank, chunk) -> microbatch
+    live = [0] * num_ranks
+    peak = [0] * num_ranks
+    cursor = [0] * num_ranks
+    steps = 0
+
+    def consume_input(rank: int, action: Action, stage: int) -> None:
+        source = _input_stage(action.kind, stage, last)
+        if source is None:
+            return  # stage 0's forward reads data; the last stage's backward starts at the loss
+        if source % num_ranks == rank:
+            done = forwarded if action.kind == FWD else backwarded
+            if (action.microbatch, source) not in done:
+                raise ScheduleError(f"rank {rank}: {action} runs before its local input "
+                                    f"from virtual stage {source}")
+            return
+        msg = (action.kind, action.microbatch, source)
+        if msg not in inbox[rank]:
+            raise ScheduleError(f"rank {rank}: {action} runs without having received "
+                                f"{_describe(msg)} from rank {source % num_ranks}")
+        inbox[rank].remove(msg)
+
+    def execute(rank: int, action: Action, outgoing: list[tuple[int, int, Message]]) -> bool:
+        """Do ``action``; False when it is a receive that must wait."""
+        if action.kind not in ACTION_KINDS:
+            raise ScheduleError(f"rank {rank}: unknown action kind {action.kind!r}")
+        if not 0 <= action.chunk < num_chunks or action.microbatch < 0:
+            raise ScheduleError(f"rank {rank}: {action} names a chunk or microbatch out of range")
+        stage = action.chunk * num_ranks + rank
+        unit = (action.microbatch, stage)
+        if action.kind in (FWD, BWD):
+            if action.peer is not None:
+                raise ScheduleError(f"rank {rank}: computation {action} must not name a peer")
+            if action.kind == FWD:
+                if unit in forwarded:
+                    raise ScheduleError(f"rank {rank}: {action} runs twice")
+                consume_input(rank, action, stage)
+                forwarded.add(unit)
+                live[rank] += 1
+                peak[rank] = max(peak[rank], live[rank])
+                return True
+            if unit in backwarded:
+                raise ScheduleError(f"rank {rank}: {action} runs twice")
+            if unit not in forwarded:
+                raise ScheduleError(f"rank {rank}: {action} runs before its forward")
+            previous = last_backward.get((rank, action.chunk), -1)
+            if action.microbatch < previous:
+                raise ScheduleError(f"rank {rank}: {action} runs after backward of microbatch "
+                                    f"{previous} on chunk {action.chunk}; gradients must "
+                                    "accumulate in increasing microbatch order")
+            consume_input(rank, action, stage)
+            last_backward[rank, action.chunk] = action.microbatch
+            backwarded.add(unit)
+            live[rank] -= 1
+            return True
+
+        direction = FWD if action.kind in (SEND_FWD, RECV_FWD) else BWD
+        sending = action.kind in (SEND_FWD, SEND_BWD)
+        other = (_output_stage if sending else _input_stage)(direction, stage, last)
+        if other is None or other % num_ranks == rank or action.peer != other % num_ranks:
+            expected = "no message" if other is None or other % num_ranks == rank else f"rank {other % num_ranks}"
+            raise ScheduleError(f"rank {rank}: {action} has the wrong peer; virtual stage "
+                                f"{stage} exchanges {direction} with {expected}")
+        if sending:
+            if unit not in (forwarded if direction == FWD else backwarded):
+                raise ScheduleError(f"rank {rank}: {action} sends before computing it")
+            outgoing.append((rank, action.peer, (direction, action.microbatch, stage)))
+            return True
+        fifo = fifos[action.peer, rank]
+        if not fifo:
+            return False
+        expected_msg = (direction, action.microbatch, other)
+        if fifo[0] != expected_msg:
+            raise ScheduleError(
+                f"rank {rank} posts a receive for {_describe(expected_msg)} from rank "
+                f"{action.peer}, but the next message rank {action.peer} sent it is "
+                f"{_describe(fifo[0])}")
+        inbox[rank].add(fifo.popleft())
+        return True
+
+    while any(cursor[r] < len(schedules[r]) for r in range(num_ranks)):
+        steps += 1
+        outgoing: list[tuple[int, int, Message]] = []
+        progressed = False
+        for rank in range(num_ranks):
+            if cursor[rank] < len(schedules[rank]) and execute(rank, schedules[rank][cursor[rank]], outgoing):
+                cursor[rank] += 1
+                progressed = True
+        # Delivering after the round keeps ranks symmetric: no rank sees a
+        # message sent in the same round just because it was iterated later.
+        for src, dst, msg in outgoing:
+            fifos[src, dst].append(msg)
+        if not progressed:
+            stuck = ", ".join(f"rank {r} waits at {schedules[r][cursor[r]]}"
+                              for r in range(num_ranks) if cursor[r] < len(schedules[r]))
+            raise ScheduleError(f"deadlock: {stuck}")
+
+    for (src, dst), fifo in fifos.items():
+        if fifo:
+            raise ScheduleError(f"rank {src} sent {_describe(fifo[0])} to rank {dst}, "
+                                "which never received it")
+    for rank, msgs in enumerate(inbox):
+        if msgs:
+            raise ScheduleError(f"rank {rank} received {_describe(min(msgs))} but never used it")
+    num_microbatches = 1 + max((mb for mb, _ in forwarded | backwarded), default=-1)
+    for mb in range(num_microbatches):
+        for stage in range(last + 1):
+            for done, name in ((forwarded, "forward"), (backwarded, "backward")):
+                if (mb, stage) not in done:
+                    raise ScheduleError(f"microbatch {mb} has no {name} on virtual stage {stage} "
+                                        f"(rank {stage % num_ranks}, chunk {stage // num_ranks})")
+    return SimulationResult(max_live_activations=peak, steps=steps)

@@ -1,0 +1,207 @@
+"""Pipeline schedules: every schedule runs to completion under FIFO matching,
+computes each (microbatch, virtual stage) once each way, accumulates gradients
+in single-process order, and keeps the memory bound it promises; the simulator
+rejects broken schedules with a message that points at the culprit."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from hetpipe.errors import ConfigError
+from hetpipe.schedules import (
+    Action,
+    ScheduleError,
+    build_schedule,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    simulate,
+)
+
+STAGES = range(1, 7)
+MICROBATCHES = (1, 2, 3, 5, 8, 13)  # includes M < P for the larger P
+
+
+def computations_once(schedules: list[list[Action]], num_microbatches: int, num_chunks: int) -> None:
+    """Each (microbatch, virtual stage) is forwarded once and backwarded once, read off the lists."""
+    num_ranks = len(schedules)
+    counts = Counter(
+        (a.kind, a.microbatch, a.chunk * num_ranks + rank)
+        for rank, actions in enumerate(schedules)
+        for a in actions
+        if a.kind in ("fwd", "bwd")
+    )
+    expected = {(kind, mb, v) for kind in ("fwd", "bwd") for mb in range(num_microbatches)
+                for v in range(num_ranks * num_chunks)}
+    assert set(counts) == expected and set(counts.values()) == {1}
+
+
+def backwards_in_microbatch_order(schedules: list[list[Action]]) -> None:
+    for actions in schedules:
+        for chunk in {a.chunk for a in actions}:
+            order = [a.microbatch for a in actions if a.kind == "bwd" and a.chunk == chunk]
+            assert order == sorted(order)
+
+
+def receives_precede_their_consumer(schedules: list[list[Action]]) -> None:
+    """The engine may pair a receive with the computation right after it."""
+    for actions in schedules:
+        for recv, nxt in zip(actions, actions[1:]):
+            if recv.kind.startswith("recv_"):
+                assert (nxt.kind, nxt.microbatch, nxt.chunk) == (recv.kind[5:], recv.microbatch, recv.chunk)
+
+
+@pytest.mark.parametrize("P", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES)
+def test_gpipe_runs_and_holds_every_microbatch(P, M):
+    schedules = gpipe(P, M)
+    result = simulate(schedules)
+    computations_once(schedules, M, 1)
+    backwards_in_microbatch_order(schedules)
+    receives_precede_their_consumer(schedules)
+    assert result.max_live_activations == [M] * P
+
+
+@pytest.mark.parametrize("P", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES)
+def test_1f1b_runs_and_bounds_live_activations(P, M):
+    schedules = one_f_one_b(P, M)
+    result = simulate(schedules)
+    computations_once(schedules, M, 1)
+    backwards_in_microbatch_order(schedules)
+    receives_precede_their_consumer(schedules)
+    assert result.max_live_activations == [min(P - s, M) for s in range(P)]
+
+
+@pytest.mark.parametrize("P", STAGES)
+@pytest.mark.parametrize("groups", (1, 2, 4))
+@pytest.mark.parametrize("C", (2, 3))
+def test_interleaved_runs_and_beats_gpipe_memory(P, groups, C):
+    M = groups * P
+    schedules = interleaved_one_f_one_b(P, M, C)
+    result = simulate(schedules, num_chunks=C)
+    computations_once(schedules, M, C)
+    backwards_in_microbatch_order(schedules)
+    # Holds with P == 2 too, where one pair carries both directions: no
+    # receive had to be posted early for FIFO matching.
+    receives_precede_their_consumer(schedules)
+    if M >= 4 * P:
+        assert all(live < M for live in result.max_live_activations)
+    # Fewer warm-up forwards on later ranks, as in Megatron.
+    assert result.max_live_activations == sorted(result.max_live_activations, reverse=True)
+
+
+def test_interleaved_has_a_smaller_bubble_than_1f1b():
+    # Same work per rank (8 layer-units): 1F1B with whole stages vs 2 chunks of half size.
+    # Steps count actions, so compare makespan in units of one chunk's compute time.
+    P, M = 4, 8
+    plain = simulate(one_f_one_b(P, M)).steps
+    interleaved = simulate(interleaved_one_f_one_b(P, M, 2), num_chunks=2).steps
+    assert interleaved / 2 < plain
+
+
+def test_single_stage_alternates_forward_and_backward():
+    assert [str(a) for a in one_f_one_b(1, 3)[0]] == ["F0", "B0", "F1", "B1", "F2", "B2"]
+    assert build_schedule("1f1b", 1, 3) == one_f_one_b(1, 3)
+
+
+def test_single_stage_interleaved_hands_off_chunks_locally():
+    (actions,) = interleaved_one_f_one_b(1, 2, 2)
+    assert all(a.kind in ("fwd", "bwd") for a in actions)
+    simulate([actions], num_chunks=2)
+
+
+def test_sends_and_receives_name_peer_and_local_chunk():
+    rank0, rank1 = interleaved_one_f_one_b(2, 2, 2)
+    # Rank 1's chunk 0 (virtual stage 1) feeds rank 0's chunk 1 (virtual stage 2).
+    assert Action("send_fwd", 0, chunk=0, peer=0) in rank1
+    assert Action("recv_fwd", 0, chunk=1, peer=1) in rank0
+    assert str(Action("send_fwd", 3, 1, 1)) == "sendF3c1->1"
+    assert str(Action("recv_bwd", 2, 0, 0)) == "recvB2<-0"
+    assert str(Action("fwd", 3, 1)) == "F3c1"
+
+
+def test_deadlock_is_reported_with_each_stuck_action():
+    schedules = [
+        [Action("recv_bwd", 0, peer=1), Action("fwd", 0), Action("send_fwd", 0, peer=1), Action("bwd", 0)],
+        [Action("recv_fwd", 0, peer=0), Action("fwd", 0), Action("bwd", 0), Action("send_bwd", 0, peer=0)],
+    ]
+    with pytest.raises(ScheduleError, match="deadlock") as err:
+        simulate(schedules)
+    assert "rank 0 waits at recvB0<-1" in str(err.value)
+    assert "rank 1 waits at recvF0<-0" in str(err.value)
+
+
+def test_receives_in_the_wrong_order_are_named():
+    schedules = one_f_one_b(2, 3)
+    rank1 = schedules[1]
+    first = rank1.index(Action("recv_fwd", 0, peer=0))
+    second = rank1.index(Action("recv_fwd", 1, peer=0))
+    rank1[first], rank1[second] = rank1[second], rank1[first]
+    with pytest.raises(ScheduleError) as err:
+        simulate(schedules)
+    message = str(err.value)
+    assert "rank 1" in message and "rank 0" in message
+    assert "F1 from virtual stage 0" in message and "F0 from virtual stage 0" in message
+
+
+def test_missing_send_is_caught():
+    schedules = one_f_one_b(3, 4)
+    schedules[1].remove(Action("send_fwd", 3, peer=2))
+    with pytest.raises(ScheduleError, match="deadlock.*rank 2 waits at recvF3<-1"):
+        simulate(schedules)
+    # An earlier one goes missing: the next message arrives in its place.
+    schedules = one_f_one_b(3, 4)
+    schedules[1].remove(Action("send_fwd", 2, peer=2))
+    with pytest.raises(ScheduleError, match="receive for F2 .* is F3"):
+        simulate(schedules)
+
+
+def test_missing_receive_is_caught():
+    schedules = gpipe(2, 2)
+    schedules[1].remove(Action("recv_fwd", 1, peer=0))
+    with pytest.raises(ScheduleError, match="without having received F1 from virtual stage 0"):
+        simulate(schedules)
+
+
+def test_backward_out_of_microbatch_order_is_caught():
+    schedules = gpipe(1, 2)
+    schedules[0][2:] = [Action("bwd", 1), Action("bwd", 0)]
+    with pytest.raises(ScheduleError, match="increasing microbatch order"):
+        simulate(schedules)
+
+
+def test_backward_before_forward_is_caught():
+    with pytest.raises(ScheduleError, match="before its forward"):
+        simulate([[Action("bwd", 0), Action("fwd", 0)]])
+
+
+def test_unfinished_microbatch_is_caught():
+    schedules = one_f_one_b(1, 2)[0][:-1]
+    with pytest.raises(ScheduleError, match="microbatch 1 has no backward"):
+        simulate([schedules])
+
+
+@pytest.mark.parametrize("name", ("gpipe", "1f1b", "interleaved_1f1b"))
+def test_build_schedule_dispatches(name):
+    chunks = 2 if name == "interleaved_1f1b" else 1
+    direct = {"gpipe": gpipe, "1f1b": one_f_one_b}.get(name)
+    expected = direct(3, 6) if direct else interleaved_one_f_one_b(3, 6, 2)
+    assert build_schedule(name, 3, 6, chunks) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("zigzag", 2, 4), "zigzag"),
+        (("interleaved_1f1b", 4, 6, 2), "num_microbatches \\(6\\)"),
+        (("interleaved_1f1b", 2, 4, 1), "num_chunks >= 2"),
+        (("1f1b", 2, 4, 2), "num_chunks=2"),
+        (("gpipe", 0, 4), "num_stages"),
+        (("1f1b", 2, 0), "num_microbatches"),
+    ],
+)
+def test_build_schedule_rejects_bad_parameters(args, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_schedule(*args)
