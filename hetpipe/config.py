@@ -8,10 +8,11 @@ ranges and cross-field rules when the composed config is turned into objects
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.config import ModelConfig, preset_names
 
@@ -29,8 +30,6 @@ class TrainConfig:
     train_iters: int = 100
     # Seeds weights (per model unit) and the data order.
     seed: int = 1234
-    # "auto" takes the GPU when there is one, else the CPU.
-    device: str = "auto"
     # "auto" is bf16 autocast on GPU and fp32 on CPU.
     precision: str = "auto"
     # Steps between console log lines (metrics.jsonl gets every step).
@@ -46,8 +45,6 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"train.device={self.device!r} must be auto, cpu or cuda")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"train.precision={self.precision!r} must be auto, bf16 or fp32")
 
@@ -101,12 +98,26 @@ class LoggingConfig:
 
 
 @dataclass
+class PartitionConfig:
+    # Decoder layers per (virtual) stage in pipeline order, e.g. [15, 17];
+    # the embedding joins the first stage and the head the last. None splits
+    # the layers evenly over the cluster's ranks.
+    layers: Optional[List[int]] = None
+    # gpipe | 1f1b | interleaved_1f1b
+    schedule: str = "1f1b"
+    # Model chunks per rank (virtual stages) for interleaved_1f1b.
+    num_chunks: int = 1
+
+
+@dataclass
 class PretrainConfig:
     model: ModelConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
 
     def __post_init__(self) -> None:
         if self.train.seq_length > self.model.max_position_embeddings:

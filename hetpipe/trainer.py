@@ -11,19 +11,26 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hetpipe.comm.vendor import accelerator_name
-from hetpipe.config import OptimizerConfig, PretrainConfig
+from hetpipe.config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
-from hetpipe.errors import ConfigError
+from hetpipe.engine import PipelineEngine
+from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
+from hetpipe.launch import launch, rank_env
 from hetpipe.metrics import MetricsLogger
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
+from hetpipe.partitioner.plan import Plan
+from hetpipe.schedules import build_schedule
+from hetpipe.topology import Topology, build_plan
 
 
 def lr_at(step: int, opt: OptimizerConfig, train_iters: int) -> float:
@@ -47,17 +54,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no GPU is visible to torch")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig,
+                    device: torch.device) -> torch.optim.AdamW:
     """AdamW; matrices get weight decay, norms and biases do not (as in Megatron)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -79,33 +79,70 @@ def peak_tflops(cfg: PretrainConfig, device: torch.device) -> float | None:
 
 
 def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
-    """Pretrain ``cfg.model`` for ``cfg.train.train_iters`` steps; returns the step losses."""
+    """Pretrain ``cfg.model`` on ``cfg.cluster``; returns the step losses (from rank 0).
+
+    Checks the plan before any process starts, then runs :func:`run_rank` on
+    every rank (in-process for a one-rank cluster).
+    """
+    build_plan(cfg.partition, cfg.cluster, cfg.model)
+    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    return launch(cfg.cluster, run_rank, cfg_dict, str(run_dir))
+
+
+def run_rank(cfg_dict: dict, run_dir: str) -> list[float]:
+    """One rank's training loop: its stage(s), its channels, the shared step loop."""
+    cfg = resolve(cfg_dict)
+    rank, world, local_rank = rank_env()
+    plan = build_plan(cfg.partition, cfg.cluster, cfg.model)
+    topo = Topology(cfg.cluster, plan, rank, world, local_rank)
+    try:
+        return _train_loop(cfg, plan, topo, Path(run_dir))
+    finally:
+        topo.close()
+
+
+def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) -> list[float]:
     t = cfg.train
-    device = resolve_device(t.device)
+    device = topo.device
     bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
     seed_everything(t.seed)
+    topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
+    channels = topo.build_channels() if topo.world_size > 1 else {}
     loader = MicrobatchLoader(cfg.data.path, cfg.data.tokenizer, seq_length=t.seq_length,
                               global_batch_size=t.global_batch_size,
                               micro_batch_size=t.micro_batch_size,
                               vocab_size=cfg.model.vocab_size, seed=t.seed)
-    model = build_model(cfg.model, seed=t.seed, device=device)
-    optimizer = build_optimizer(model, cfg.optimizer, device)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    clip = cfg.optimizer.clip_grad or math.inf
+    ranges = plan.unit_ranges()
+    P = plan.pipeline_size
+    my_stages = [c * P + topo.rank for c in range(plan.num_chunks)]
+    chunks = [build_model(cfg.model, seed=t.seed, units=ranges[v], device=device) for v in my_stages]
+    actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.rank]
+    engine = PipelineEngine(chunks, actions, channels, rank=topo.rank, pipeline_size=P,
+                            activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
+                            activation_dtype=torch.float32, device=device, bf16=bf16)
+    optimizer = build_optimizer(chunks, cfg.optimizer, device)
+    world_group = dist.group.WORLD if topo.world_size > 1 else None
+    clipper = GradNormClipper(cfg.model, chunks, world_group)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    (run_dir / "config.yaml").write_text(resolved)
-    logger = MetricsLogger(
-        run_dir=run_dir, total_steps=t.train_iters, tokens_per_step=loader.tokens_per_step,
-        flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
-        num_devices=1, peak_tflops=peak_tflops(cfg, device), log_interval=t.log_interval,
-        progress=cfg.logging.progress,
-        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-        wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)))
-    print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
-          f"{accelerator_name()}, {'bf16' if bf16 else 'fp32'}, {loader.num_microbatches} "
-          f"microbatches/step, {loader.tokens_per_step} tokens/step, run dir {run_dir}", flush=True)
+    logger = None
+    if topo.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        (run_dir / "config.yaml").write_text(resolved)
+        (run_dir / "plan.yaml").write_text(plan.to_yaml())
+        logger = MetricsLogger(
+            run_dir=run_dir, total_steps=t.train_iters, tokens_per_step=loader.tokens_per_step,
+            flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
+            num_devices=topo.world_size, peak_tflops=peak_tflops(cfg, device),
+            log_interval=t.log_interval, progress=cfg.logging.progress,
+            wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)))
+        layers = [s.layers for s in plan.stages]
+        print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
+              f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
+              f"layers per stage {layers}, {plan.schedule}, {'bf16' if bf16 else 'fp32'}, "
+              f"{loader.num_microbatches} microbatches/step, {loader.tokens_per_step} tokens/step, "
+              f"run dir {run_dir}", flush=True)
 
     losses = []
     try:
@@ -113,21 +150,16 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
             lr = lr_at(step, cfg.optimizer, t.train_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            microbatches = loader.next_step()
-            total = torch.zeros((), device=device)
-            for tokens, labels in microbatches:
-                tokens = tokens.to(device, non_blocking=True)
-                labels = labels.to(device, non_blocking=True)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = model(tokens, labels)
-                (loss / len(microbatches)).backward()
-                total += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            loss_sum = engine.run_step(loader.next_step())
+            sync_tied_embedding_grads(chunks, topo.embedding_group)
+            grad_norm, total_loss = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            mean_loss = total / len(microbatches)
+            mean_loss = total_loss / loader.num_microbatches
             losses.append(mean_loss)
-            logger.record(step + 1, mean_loss, grad_norm, lr, loader.state_dict()["consumed_samples"])
+            if logger is not None:
+                logger.record(step + 1, mean_loss, grad_norm, lr, loader.state_dict()["consumed_samples"])
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
     return [float(x) for x in losses]

@@ -125,5 +125,7 @@ def test_unknown_model_and_missing_model_are_refused(tmp_path):
 def test_config_values_are_checked():
     with pytest.raises(ConfigError, match="lr_decay_style"):
         resolve({"model": {"name": "m"}, "optimizer": {"lr_decay_style": "exp"}})
-    with pytest.raises(ConfigError, match="train.device"):
-        resolve({"model": {"name": "m"}, "train": {"device": "tpu"}})
+    with pytest.raises(ConfigError, match="train.precision"):
+        resolve({"model": {"name": "m"}, "train": {"precision": "fp8"}})
+    with pytest.raises(ConfigError, match="transport.kind"):
+        resolve({"model": {"name": "m"}, "cluster": {"transport": {"kind": "carrier-pigeon"}}})

@@ -1,0 +1,106 @@
+"""Cluster description: vendor groups and the cross-vendor transport.
+
+A cluster is an ordered list of vendor groups (all NVIDIA ranks, all AMD
+ranks, ...). Pipeline stages are laid out over the groups in this order, so
+the group order is the pipeline order. Ranks are numbered group by group.
+On real hardware a rank's vendor comes from its torch build; a config may
+*declare* vendors that differ from what the hardware is (CPU ranks standing
+in for GPUs, NVIDIA GPUs standing in for AMD) only with ``emulate: true``,
+and the emulated cluster still runs the cross-vendor code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from hetpipe.errors import ConfigError
+
+VENDORS = ("nvidia", "amd", "cpu", "auto")
+TRANSPORTS = ("tcp", "direct", "gloo", "auto")
+
+
+@dataclass
+class GroupConfig:
+    name: str = "local"
+    # nvidia | amd | cpu: the collective library inside the group follows it;
+    # auto takes whatever this process runs on.
+    vendor: str = "auto"
+    # A key of the partitioner's device catalog (H200, MI325X, CPU, ...);
+    # "CPU" ranks run on the CPU, anything else on the rank's local GPU;
+    # auto is the GPU when one is visible, else the CPU.
+    device_type: str = "auto"
+    nodes: int = 1
+    ranks_per_node: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def on_cpu(self) -> bool:
+        if self.device_type == "auto":
+            import torch
+
+            return not torch.cuda.is_available()
+        return self.device_type.upper() == "CPU"
+
+
+@dataclass
+class TransportConfig:
+    # Channel for boundaries that cross vendors: tcp (CPU-forwarding), direct
+    # (device-direct), gloo (torch.distributed over gloo), auto (best available).
+    kind: str = "auto"
+    # Local addresses to stripe each message over (one per NIC).
+    addresses: List[str] = field(default_factory=lambda: ["127.0.0.1"])
+    # Connections per address (more streams help a single fast NIC too).
+    streams_per_address: int = 1
+    # Seconds any boundary wait may take before the rank gives up.
+    deadline_s: float = 300.0
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "single"
+    # Allow declared vendors that differ from the detected hardware.
+    emulate: bool = False
+    groups: List[GroupConfig] = field(default_factory=lambda: [GroupConfig()])
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError(f"cluster {self.name!r} has no groups")
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"cluster {self.name!r} repeats a group name: {names}")
+        for g in self.groups:
+            if g.vendor not in VENDORS:
+                raise ConfigError(f"cluster group {g.name!r}: vendor {g.vendor!r} is not one of {VENDORS}")
+            if g.nodes <= 0 or g.ranks_per_node <= 0:
+                raise ConfigError(f"cluster group {g.name!r}: nodes and ranks_per_node must be positive")
+        if self.transport.kind not in TRANSPORTS:
+            raise ConfigError(f"cluster.transport.kind={self.transport.kind!r} is not one of {TRANSPORTS}")
+        if not self.transport.addresses or self.transport.streams_per_address <= 0:
+            raise ConfigError("cluster.transport needs at least one address and one stream per address")
+        if self.transport.deadline_s <= 0:
+            raise ConfigError("cluster.transport.deadline_s must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.size for g in self.groups)
+
+    @property
+    def single_node(self) -> bool:
+        return all(g.nodes == 1 for g in self.groups)
+
+    def group_of(self, rank: int) -> tuple[int, GroupConfig]:
+        """(group index, group) that global ``rank`` belongs to."""
+        start = 0
+        for i, g in enumerate(self.groups):
+            if rank < start + g.size:
+                return i, g
+            start += g.size
+        raise ConfigError(f"rank {rank} is outside cluster {self.name!r} of {self.world_size} ranks")
+
+    def group_ranks(self, index: int) -> list[int]:
+        start = sum(g.size for g in self.groups[:index])
+        return list(range(start, start + self.groups[index].size))

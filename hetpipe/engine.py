@@ -1,0 +1,118 @@
+"""Runs one pipeline rank's action list for one optimizer step.
+
+The engine is transport-agnostic: it sees each neighbour as a
+:class:`hetpipe.comm.channel.Channel` and does not know whether NCCL, the TCP
+CPU-forwarding channel or gloo carries the bytes. Receives are posted ahead
+(``recv_ahead`` outstanding, in action-list order, which is the FIFO order the
+channels match on) so transfers overlap compute; sends are asynchronous and
+only waited for at the end of the step. With one stage and no channels the
+same engine is the single-process trainer, which is what makes pipelined and
+single-process runs comparable bit for bit.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from hetpipe.models import CausalLM
+from hetpipe.schedules import Action
+
+if TYPE_CHECKING:
+    from hetpipe.comm.channel import Channel, Handle
+
+
+class PipelineEngine:
+    def __init__(self, chunks: Sequence[CausalLM], actions: Sequence[Action], channels: dict[int, Channel],
+                 rank: int, pipeline_size: int, activation_shape: tuple[int, ...],
+                 activation_dtype: torch.dtype, device: torch.device, bf16: bool,
+                 recv_ahead: int = 2) -> None:
+        self.chunks = list(chunks)
+        self.actions = list(actions)
+        self.channels = channels
+        self.rank = rank
+        self.pipeline_size = pipeline_size
+        self.num_virtual = pipeline_size * len(self.chunks)
+        self.activation_shape = activation_shape
+        self.activation_dtype = activation_dtype
+        self.device = device
+        self.bf16 = bf16
+        self.recv_ahead = recv_ahead
+
+    def virtual_stage(self, chunk: int) -> int:
+        return chunk * self.pipeline_size + self.rank
+
+    def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
+        """Forward and backward every microbatch; gradients accumulate in the chunks.
+
+        Returns the sum of the microbatch losses (in microbatch order) on the
+        rank that holds the last virtual stage, else None.
+        """
+        num_micro = len(microbatches)
+        inputs, outputs, received = {}, {}, {}
+        posted: dict[tuple[str, int, int], tuple[torch.Tensor, Handle]] = {}
+        sends: list[Handle] = []
+        loss_sum: Optional[torch.Tensor] = None
+        losses: dict[int, torch.Tensor] = {}
+        recv_positions = [i for i, a in enumerate(self.actions) if a.kind.startswith("recv")]
+        next_recv = 0
+
+        def post_until(limit: int) -> None:
+            nonlocal next_recv
+            while next_recv < len(recv_positions) and next_recv < limit:
+                a = self.actions[recv_positions[next_recv]]
+                kind = "fwd" if a.kind == "recv_fwd" else "bwd"
+                buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+                handle = self.channels[a.peer].irecv(buf, a.peer, microbatch=a.microbatch, kind=kind)
+                posted[(kind, a.microbatch, a.chunk)] = (buf, handle)
+                next_recv += 1
+
+        done_recvs = 0
+        for action in self.actions:
+            key = (action.microbatch, action.chunk)
+            v = self.virtual_stage(action.chunk)
+            if action.kind in ("recv_fwd", "recv_bwd"):
+                post_until(done_recvs + self.recv_ahead)
+                kind = "fwd" if action.kind == "recv_fwd" else "bwd"
+                buf, handle = posted.pop((kind, action.microbatch, action.chunk))
+                handle.wait()
+                received[(kind,) + key] = buf
+                done_recvs += 1
+                post_until(done_recvs + self.recv_ahead)
+            elif action.kind == "fwd":
+                tokens, labels = microbatches[action.microbatch]
+                if v == 0:
+                    x = tokens.to(self.device, non_blocking=True)
+                else:
+                    x = received.pop(("fwd",) + key).requires_grad_(True)
+                is_last = v == self.num_virtual - 1
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    out = self.chunks[action.chunk](
+                        x, labels.to(self.device, non_blocking=True) if is_last else None)
+                inputs[key], outputs[key] = x, out
+                if is_last:
+                    losses[action.microbatch] = out.detach()
+            elif action.kind == "send_fwd":
+                sends.append(self.channels[action.peer].isend(
+                    outputs[key].detach(), action.peer, microbatch=action.microbatch, kind="fwd"))
+            elif action.kind == "bwd":
+                out = outputs.pop(key)
+                if v == self.num_virtual - 1:
+                    # Same scaling as a single-process step: mean over microbatches.
+                    (out / num_micro).backward()
+                else:
+                    out.backward(received.pop(("bwd",) + key))
+            elif action.kind == "send_bwd":
+                x = inputs.pop(key)
+                sends.append(self.channels[action.peer].isend(
+                    x.grad, action.peer, microbatch=action.microbatch, kind="bwd"))
+            else:
+                raise ValueError(f"unknown pipeline action {action}")
+            if action.kind == "bwd" and v == 0:
+                inputs.pop(key, None)
+        for handle in sends:
+            handle.wait()
+        if losses:
+            for m in range(num_micro):  # canonical order, whatever the schedule
+                loss_sum = losses[m] if loss_sum is None else loss_sum + losses[m]
+        return loss_sum

@@ -1,0 +1,103 @@
+"""Global gradient-norm clipping that gives the same answer for every split.
+
+``torch.nn.utils.clip_grad_norm_`` computes one norm per parameter and then
+the norm of those norms, in parameter order. Across pipeline stages each rank
+holds some of the parameters, so each computes its per-parameter norms, the
+ranks exchange them over the world (gloo) group, and every rank stacks all of
+them in the *whole model's* parameter order before taking the norm. The result
+is bitwise the single-process value, whatever the split or schedule, and every
+rank applies the same clip coefficient.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetpipe.models import CausalLM, ModelConfig
+
+
+def global_parameter_order(cfg: ModelConfig) -> dict[str, int]:
+    """Name -> position in the whole model's parameters() order (built on meta)."""
+    with torch.device("meta"):
+        whole = CausalLM(cfg)
+    return {name: i for i, (name, _) in enumerate(whole.named_parameters())}
+
+
+class GradNormClipper:
+    """Clips gradients of this rank's chunks by the global norm over all ranks.
+
+    ``extra`` is an optional scalar (the step's loss sum on the last stage)
+    piggy-backed on the same exchange, so logging costs no extra collective.
+    """
+
+    def __init__(self, cfg: ModelConfig, chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup]) -> None:
+        order = global_parameter_order(cfg)
+        named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+        # A tied head copy on the last stage is not a separate model
+        # parameter: its gradient equals the embedding's after the sync.
+        mine = sorted((order[n], p) for n, p in named if n in order)
+        self.positions = [i for i, _ in mine]
+        self.params = [p for _, p in mine]
+        self.all_params = [p for _, p in named]
+        self.group = group
+        self.total = len(order)
+        self.world = dist.get_world_size(group) if group is not None else 1
+        if self.world > 1:
+            # Static layout: who holds which positions. One exchange at start.
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(counts, torch.tensor([len(self.positions)]), group=group)
+            self.width = int(max(c.item() for c in counts))
+            mine_pos = torch.full((self.width,), -1, dtype=torch.int64)
+            mine_pos[: len(self.positions)] = torch.tensor(self.positions, dtype=torch.int64)
+            gathered = [torch.empty_like(mine_pos) for _ in range(self.world)]
+            dist.all_gather(gathered, mine_pos, group=group)
+            self.layout = torch.cat(gathered)
+
+    def clip(self, max_norm: float, extra: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale gradients in place; returns (total norm, summed ``extra``) as CPU tensors."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        norms = torch._foreach_norm(grads) if grads else []
+        extra_value = extra.detach().float().reshape(1) if extra is not None else torch.zeros(1)
+        if self.world == 1:
+            total = torch.linalg.vector_norm(torch.stack(norms))
+            summed_extra = extra_value.cpu()
+        else:
+            local = torch.zeros(self.width + 1, dtype=torch.float32)
+            if norms:
+                local[: len(norms)] = torch.stack(norms).float().cpu()
+            local[-1] = extra_value.cpu()[0]
+            gathered = [torch.empty_like(local) for _ in range(self.world)]
+            dist.all_gather(gathered, local, group=self.group)
+            table = torch.stack(gathered)
+            summed_extra = table[:, -1].sum().reshape(1)
+            values = table[:, :-1].reshape(-1)
+            ordered = torch.empty(self.total, dtype=torch.float32)
+            valid = self.layout >= 0
+            ordered[self.layout[valid]] = values[valid]
+            device = norms[0].device if norms else torch.device("cpu")
+            total = torch.linalg.vector_norm(ordered.to(device))
+        if max_norm > 0 and self.all_params:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            grads_all = [p.grad for p in self.all_params if p.grad is not None]
+            torch._foreach_mul_(grads_all, coef.to(grads_all[0].device))
+        return total.detach().cpu(), summed_extra[0]
+
+
+def sync_tied_embedding_grads(chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the gradients of the embedding and its tied head copy on the first
+    and last stage (Megatron's embedding group); a no-op when they share a rank."""
+    if group is None:
+        return
+    for chunk in chunks:
+        weight = None
+        if chunk.embedding is not None and chunk.head is None:
+            weight = chunk.embedding.weight
+        elif chunk.head is not None and chunk.head.output is not None and chunk.embedding is None:
+            weight = chunk.head.output.weight
+        if weight is not None and weight.grad is not None:
+            grad = weight.grad.cpu() if weight.grad.is_cuda else weight.grad
+            dist.all_reduce(grad, group=group)
+            if grad is not weight.grad:
+                weight.grad.copy_(grad)

@@ -1,0 +1,178 @@
+"""Ranks, vendor groups, pipeline stages and every process group, in one place.
+
+Like torchtitan's ``ParallelDims``, one object owns all process-group creation
+so that every rank creates the same groups in the same order. The world group
+is gloo on the CPU (it works between a CUDA and a ROCm build); each vendor
+group gets its own communicator - ``nccl`` on GPUs, which is RCCL on a ROCm
+build - or gloo on CPU ranks. Neighbouring stages in the same vendor group talk
+through that group; stages on either side of a vendor line talk through the
+configured cross-vendor channel.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.comm.vendor import detect_vendor
+from hetpipe.errors import ConfigError
+from hetpipe.models.config import ModelConfig
+from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+
+if TYPE_CHECKING:
+    from hetpipe.comm.channel import Channel
+
+
+def build_plan(partition, cluster: ClusterConfig, model: ModelConfig) -> Plan:
+    """The plan from explicit overrides: one pipeline rank per cluster rank, in
+    group order; ``partition.layers`` or an even split of the decoder layers."""
+    p = cluster.world_size
+    if partition.num_chunks > 1 and p == 1:
+        raise ConfigError("partition.num_chunks > 1 (interleaving) needs at least two pipeline ranks")
+    virtual = p * partition.num_chunks
+    layers = list(partition.layers) if partition.layers is not None else even_split(model.num_layers, virtual)
+    if len(layers) != virtual:
+        raise ConfigError(f"partition.layers={layers} has {len(layers)} entries but cluster {cluster.name!r} "
+                          f"x num_chunks={partition.num_chunks} gives {virtual} (virtual) stages")
+    stages = []
+    for v, n in enumerate(layers):
+        rank = v % p
+        stages.append(StagePlan(group=cluster.group_of(rank)[1].name, ranks=[rank], layers=n))
+    plan = Plan(stages=stages, schedule=partition.schedule, num_chunks=partition.num_chunks)
+    plan.check_model(model.num_layers)
+    return plan
+
+
+@dataclass
+class Topology:
+    cluster: ClusterConfig
+    plan: Plan
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cluster.world_size != self.world_size:
+            raise ConfigError(f"cluster {self.cluster.name!r} has {self.cluster.world_size} ranks but "
+                              f"{self.world_size} processes were started")
+        if self.plan.pipeline_size != self.world_size:
+            raise ConfigError(f"the plan has {self.plan.pipeline_size} pipeline ranks but the cluster has "
+                              f"{self.world_size} (one stage per rank until TP/DP land)")
+        self.group_index, self.group = self.cluster.group_of(self.rank)
+        self.device = self._device(self.group)
+        self._check_vendor()
+        self.vendor_groups: list[Optional[dist.ProcessGroup]] = []
+        self.embedding_group: Optional[dist.ProcessGroup] = None
+        self.channels: dict[int, Channel] = {}
+
+    def _device(self, group: GroupConfig) -> torch.device:
+        if group.on_cpu:
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cluster group {group.name!r} runs on {group.device_type} GPUs "
+                              "but this process sees no GPU")
+        if self.local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {self.local_rank} has no GPU: only "
+                              f"{torch.cuda.device_count()} visible")
+        torch.cuda.set_device(self.local_rank)
+        return torch.device("cuda", self.local_rank)
+
+    def _check_vendor(self) -> None:
+        detected = "cpu" if self.group.on_cpu else detect_vendor()
+        if self.group.vendor not in ("auto", detected) and not self.cluster.emulate:
+            raise ConfigError(
+                f"rank {self.rank} is declared {self.group.vendor} (group {self.group.name!r}) but runs on "
+                f"{detected} hardware; set cluster.emulate=true to emulate a mixed cluster")
+
+    # -- naming -----------------------------------------------------------------
+    def group_name_of(self, rank: int) -> str:
+        return self.cluster.group_of(rank)[1].name
+
+    def stage_name(self, rank: int) -> str:
+        g = self.cluster.group_of(rank)[1]
+        return f"stage {rank} (group {g.name}, {g.vendor}, rank {rank})"
+
+    def is_cross_vendor(self, a: int, b: int) -> bool:
+        return self.cluster.group_of(a)[0] != self.cluster.group_of(b)[0]
+
+    @property
+    def neighbours(self) -> list[int]:
+        """Ranks this rank exchanges activations with (wrapping when interleaved)."""
+        p = self.world_size
+        if p == 1:
+            return []
+        if self.plan.num_chunks > 1:
+            return sorted({(self.rank - 1) % p, (self.rank + 1) % p})
+        return [r for r in (self.rank - 1, self.rank + 1) if 0 <= r < p]
+
+    # -- process groups and channels ---------------------------------------------
+    def init_process_groups(self, tied_embeddings: bool) -> None:
+        """Create the world, vendor, and embedding groups (same order on every rank)."""
+        if self.world_size == 1:
+            return
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
+        for i, g in enumerate(self.cluster.groups):
+            backend = "gloo" if g.on_cpu else "nccl"
+            self.vendor_groups.append(dist.new_group(self.cluster.group_ranks(i), backend=backend))
+        first, last = 0, self.world_size - 1
+        if self.plan.num_chunks > 1:
+            last = (len(self.plan.stages) - 1) % self.world_size
+        if tied_embeddings and first != last:
+            group = dist.new_group([first, last], backend="gloo")
+            if self.rank in (first, last):
+                self.embedding_group = group
+
+    def job_token(self) -> str:
+        """The job's shared secret for channel handshakes: $HETPIPE_JOB_TOKEN (set by
+        the launcher), else one rank 0 draws and shares through the rendezvous store."""
+        token = os.environ.get("HETPIPE_JOB_TOKEN")
+        if token:
+            return token
+        store = dist.distributed_c10d._get_default_store()
+        if self.rank == 0:
+            store.set("hetpipe/job_token", secrets.token_hex(16))
+        return store.get("hetpipe/job_token").decode()
+
+    def build_channels(self) -> dict[int, Channel]:
+        """One channel per neighbour: the vendor group's own P2P inside a group,
+        the configured cross-vendor channel across a vendor line."""
+        from hetpipe.comm.gloo import GlooChannel
+        from hetpipe.comm.p2p import TorchP2PChannel
+        from hetpipe.comm.tcp import TcpChannel
+
+        t = self.cluster.transport
+        token = self.job_token()  # on every rank: rank 0 may have no cross-vendor peer
+        names = {r: self.stage_name(r) for r in range(self.world_size)}
+        same = [r for r in self.neighbours if not self.is_cross_vendor(self.rank, r)]
+        cross = [r for r in self.neighbours if self.is_cross_vendor(self.rank, r)]
+        if same:
+            channel = TorchP2PChannel(self.rank, same, names, self.vendor_groups[self.group_index],
+                                      deadline=t.deadline_s)
+            self.channels.update({r: channel for r in same})
+        kind = "tcp" if t.kind == "auto" else t.kind
+        if kind == "direct":
+            raise ConfigError("cluster.transport.kind=direct: the device-direct channel is not part of "
+                              "this release yet; use tcp (CPU-forwarding) or gloo")
+        if cross:
+            if kind == "tcp":
+                channel = TcpChannel(self.rank, cross, names, dist.distributed_c10d._get_default_store(),
+                                     token=token, addresses=list(t.addresses),
+                                     streams_per_address=t.streams_per_address,
+                                     deadline=t.deadline_s, device=self.device)
+            else:
+                channel = GlooChannel(self.rank, cross, names, None, deadline=t.deadline_s)
+            self.channels.update({r: channel for r in cross})
+        return self.channels
+
+    def close(self) -> None:
+        for channel in set(self.channels.values()):
+            channel.close()
+        self.channels.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()

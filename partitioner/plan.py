@@ -1,0 +1,111 @@
+"""The partition plan: which layers each pipeline stage holds, and where.
+
+A plan is data (YAML-serialisable): the partitioner writes one, and
+``pretrain`` reads one or builds it from explicit overrides such as
+``partition.layers=[15,17]``. Stages are *virtual* stages in pipeline order;
+with interleaving (``num_chunks`` > 1) rank r holds virtual stages
+r, r + P, r + 2P, ... The embedding always sits on the first virtual stage and
+the output head on the last, so a stage's unit range is its layers plus those.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List
+
+import yaml
+
+from hetpipe.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class StagePlan:
+    # The vendor group this stage runs in.
+    group: str
+    # Global ranks of the stage (one per stage until TP/DP).
+    ranks: List[int]
+    # Decoder layers this (virtual) stage holds.
+    layers: int
+    tp: int = 1
+    dp: int = 1
+
+
+@dataclass
+class Plan:
+    stages: List[StagePlan]
+    schedule: str = "1f1b"
+    num_chunks: int = 1
+    recompute: bool = False
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"plan schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if self.num_chunks < 1 or len(self.stages) % self.num_chunks:
+            raise ConfigError(f"plan has {len(self.stages)} stages, not a multiple of num_chunks={self.num_chunks}")
+        if self.num_chunks > 1 and self.schedule != "interleaved_1f1b":
+            raise ConfigError("num_chunks > 1 needs schedule=interleaved_1f1b")
+        if any(s.layers < 0 for s in self.stages):
+            raise ConfigError(f"plan has a negative layer count: {[s.layers for s in self.stages]}")
+
+    @property
+    def pipeline_size(self) -> int:
+        """Pipeline ranks (P); virtual stages = P * num_chunks."""
+        return len(self.stages) // self.num_chunks
+
+    @property
+    def num_layers(self) -> int:
+        return sum(s.layers for s in self.stages)
+
+    def unit_ranges(self) -> list[tuple[int, int]]:
+        """[start, stop) model-unit range of each virtual stage (unit 0 = embedding)."""
+        ranges, start = [], 0
+        last = len(self.stages) - 1
+        for v, stage in enumerate(self.stages):
+            stop = start + stage.layers + (1 if v == 0 else 0) + (1 if v == last else 0)
+            ranges.append((start, stop))
+            start = stop
+        return ranges
+
+    def check_model(self, num_layers: int) -> None:
+        if self.num_layers != num_layers:
+            raise ConfigError(f"plan splits {self.num_layers} layers ({[s.layers for s in self.stages]}) "
+                              f"but the model has {num_layers}")
+        empty = [v for v, (a, b) in enumerate(self.unit_ranges()) if a == b]
+        if empty:
+            raise ConfigError(f"plan gives virtual stage(s) {empty} no model units")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(asdict(self), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        try:
+            stages = [StagePlan(**s) for s in data["stages"]]
+            return cls(stages=stages, **{k: v for k, v in data.items() if k != "stages"})
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"malformed plan: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"plan file {p} not found")
+        return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+
+
+def even_split(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage, as even as possible; the first and last stages, which
+    also hold the embedding and the head, get the smaller shares."""
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    # Hand the remainder to the middle stages first, then inwards from the ends.
+    order = sorted(range(num_stages), key=lambda i: (i in (0, num_stages - 1), abs(i - (num_stages - 1) / 2)))
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts
