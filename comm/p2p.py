@@ -1,0 +1,115 @@
+"""Boundary channel for two stages of the same vendor: plain torch.distributed P2P.
+
+When both sides of a boundary run the same vendor's stack, its own library
+(NCCL on NVIDIA, RCCL on AMD, gloo between CPU ranks) moves the tensor with
+no staging, so hetpipe adds nothing but the deadline and the stage names in
+errors.
+
+NCCL/RCCL send and receive raw device buffers with no room for a header, so
+this channel's messages are *not* self-describing: ``microbatch`` and ``kind``
+appear only in error messages and a shape or dtype mismatch between the two
+sides is not detected here (NCCL fails or hangs until the deadline). Use it
+only where the engine's schedule is trusted; cross-vendor boundaries use the
+header-checked channels.
+
+:class:`WorkHandle` (a handle over torch ``Work`` objects with a deadline) is
+shared with the gloo channel.
+"""
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from hetpipe.comm.channel import Channel, ChannelError, ChannelTimeout, Handle, check_kind, describe
+
+_TIMEOUT_TEXT = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
+
+
+class WorkHandle(Handle):
+    """A transfer carried by torch ``Work`` objects, waited on in order within one deadline.
+
+    Backends report a timeout as a RuntimeError whose text says so; that
+    becomes :class:`ChannelTimeout`, anything else :class:`ChannelError`, both
+    naming the peer stage. A gloo pair that timed out is closed by gloo, so a
+    timeout here is fatal for that peer.
+    """
+
+    def __init__(self, works: Iterable[dist.Work], *, owner: str, action: str, deadline: float,
+                 finish: Callable[[], None] | None = None) -> None:
+        self._works = list(works)
+        self.owner = owner
+        self.action = action
+        self.deadline = deadline
+        self._finish = finish
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self.deadline if timeout is None else timeout
+        until = time.monotonic() + limit
+        while self._works:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                raise ChannelTimeout(f"{self.owner} timed out after {limit:g} s waiting to {self.action}")
+            try:
+                self._works[0].wait(timedelta(seconds=remaining))
+            except RuntimeError as exc:
+                if _TIMEOUT_TEXT.search(str(exc)):
+                    raise ChannelTimeout(f"{self.owner} timed out after {limit:g} s waiting to "
+                                         f"{self.action}: {exc}") from exc
+                raise ChannelError(f"{self.owner} failed to {self.action}: {exc}") from exc
+            self._works.pop(0)
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def done(self) -> bool:
+        # gloo marks send/recv work complete only inside wait(); NCCL answers truthfully.
+        return all(work.is_completed() for work in self._works)
+
+
+class TorchP2PChannel(Channel):
+    """isend/irecv on a vendor group's own process group, for same-vendor boundaries.
+
+    ``group`` is the process group both stages belong to (None: the default
+    group); peers are global ranks. Tensors go as they are, on the device the
+    backend expects (CUDA for NCCL/RCCL, CPU for gloo).
+    """
+
+    def __init__(self, rank: int, peers: list[int], names: dict[int, str],
+                 group: dist.ProcessGroup | None = None, deadline: float = 300.0) -> None:
+        super().__init__(rank, peers, names, deadline)
+        if not dist.is_initialized():
+            raise ChannelError("TorchP2PChannel needs torch.distributed to be initialized")
+        self.group = group
+        self._closed = False
+
+    def isend(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
+        self._check(tensor, peer, kind)
+        work = dist.isend(tensor, dst=peer, group=self.group)
+        return WorkHandle([work], owner=self.name, deadline=self.deadline,
+                          action=f"send {describe(kind, microbatch, tensor.dtype, tensor.shape)} "
+                                 f"to {self.name_of(peer)}")
+
+    def irecv(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
+        self._check(tensor, peer, kind)
+        work = dist.irecv(tensor, src=peer, group=self.group)
+        return WorkHandle([work], owner=self.name, deadline=self.deadline,
+                          action=f"receive {describe(kind, microbatch, tensor.dtype, tensor.shape)} "
+                                 f"from {self.name_of(peer)}")
+
+    def _check(self, tensor: torch.Tensor, peer: int, kind: str) -> None:
+        if self._closed:
+            raise ChannelError(f"{self.name}'s channel is closed")
+        self.check_peer(peer)
+        check_kind(kind)
+        if not tensor.is_contiguous():
+            raise ChannelError(f"{self.name} can only move contiguous tensors (shape {list(tensor.shape)}, "
+                               f"strides {tensor.stride()})")
+
+    def close(self) -> None:
+        # The process group belongs to the topology that created it; only stop posting.
+        self._closed = True

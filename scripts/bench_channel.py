@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Boundary-channel microbenchmark: GB/s against message size for each transport.
+
+Two local processes (spawned with torch.multiprocessing) stream messages one
+way, a few in flight at a time, and the receiver acknowledges the last one;
+throughput is bytes moved over that time. Transports measured:
+
+* ``tcp`` with one connection and with ``len(--addresses) * --streams``
+  striped connections (give one local address per NIC to see multi-NIC gains);
+* ``gloo``, the header-checked reference channel;
+* with ``--device cuda`` and two visible GPUs: ``nccl-p2p`` (torch P2P on an
+  NCCL group, what a same-vendor boundary uses) and ``peer-copy`` (one
+  process copying GPU 0 -> GPU 1, the device-direct ceiling).
+
+With ``--device cuda`` the tcp and gloo numbers include the device <-> host
+staging. Runtime is bounded: each measurement moves a fixed byte budget
+(fewer with ``--quick``) and the whole run stops at ``--time-limit``.
+
+    python scripts/bench_channel.py --quick --device cpu
+    python scripts/bench_channel.py --device cuda --addresses 10.0.0.1,10.0.1.1 --streams 2
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import queue
+import secrets
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+KIB, MIB = 1024, 1024 * 1024
+FULL_SIZES = [64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+QUICK_SIZES = [64 * KIB, MIB, 16 * MIB]
+WINDOW = 4  # messages in flight, like a pipeline with a few microbatches queued
+MAX_MESSAGES = 1000
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the sent and received tensors live")
+    parser.add_argument("--quick", action="store_true", help="three sizes and a small byte budget (about 15 s)")
+    parser.add_argument("--streams", type=int, default=4, help="tcp connections per address for the striped run")
+    parser.add_argument("--addresses", default="127.0.0.1",
+                        help="comma-separated local addresses, one per NIC, for the striped tcp run")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds before the run is abandoned (default 60 quick, 600 full)")
+    args = parser.parse_args(argv)
+    args.addresses = [a.strip() for a in args.addresses.split(",") if a.strip()]
+    if args.time_limit is None:
+        args.time_limit = 60.0 if args.quick else 600.0
+    return args
+
+
+def human(nbytes: int) -> str:
+    return f"{nbytes // MIB}MiB" if nbytes >= MIB else f"{nbytes // KIB}KiB"
+
+
+def stream_messages(channel, rank: int, nbytes: int, device: torch.device, budget: int) -> float:
+    """Rank 0 sends, rank 1 receives; returns GB/s seen by rank 0 (0.0 on rank 1)."""
+    count = max(3, min(MAX_MESSAGES, budget // nbytes))
+    peer = 1 - rank
+    data = torch.randn(nbytes // 4, device=device) if rank == 0 else torch.empty(nbytes // 4, device=device)
+    ack = torch.zeros(1, device=device)
+
+    def one_way(messages: int) -> None:
+        in_flight: collections.deque = collections.deque()
+        for i in range(messages):
+            if rank == 0:
+                in_flight.append(channel.isend(data, peer, microbatch=i, kind="fwd"))
+            else:
+                in_flight.append(channel.irecv(data, peer, microbatch=i, kind="fwd"))
+            if len(in_flight) >= WINDOW:
+                in_flight.popleft().wait()
+        for handle in in_flight:
+            handle.wait()
+        if rank == 0:
+            channel.irecv(ack, peer, microbatch=messages, kind="bwd").wait()
+        else:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the last host-to-device copy counts too
+            channel.isend(ack, peer, microbatch=messages, kind="bwd").wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    one_way(1)  # warm-up: connections, pinned buffers, NCCL communicators
+    start = time.perf_counter()
+    one_way(count)
+    elapsed = time.perf_counter() - start
+    return count * nbytes / elapsed / 1e9 if rank == 0 else 0.0
+
+
+def peer_copy(nbytes: int, budget: int) -> float:
+    """GB/s of a plain GPU 0 -> GPU 1 copy, the ceiling a device-direct channel aims at."""
+    count = max(3, min(MAX_MESSAGES, budget // nbytes))
+    src = torch.randn(nbytes // 4, device="cuda:0")
+    dst = torch.empty(nbytes // 4, device="cuda:1")
+    dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    start = time.perf_counter()
+    for _ in range(count):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    return count * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def worker(rank: int, port: int, opts: dict, results) -> None:
+    try:
+        results.put(("rows", rank, run_rank(rank, port, opts)))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, float]]:
+    # Imported here so `--help` stays fast and the parent never builds a channel.
+    from hetpipe.comm.gloo import GlooChannel
+    from hetpipe.comm.p2p import TorchP2PChannel
+    from hetpipe.comm.tcp import TcpChannel
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    if opts["device"] == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    names = {0: "bench rank 0 (sender)", 1: "bench rank 1 (receiver)"}
+    addresses, streams = opts["addresses"], opts["streams"]
+
+    def tcp(addrs: list[str], per_address: int):
+        prefix = f"tcp-{len(addrs)}x{per_address}"
+        return lambda: TcpChannel(rank, [1 - rank], names, dist.PrefixStore(prefix, store), opts["token"],
+                                  addresses=addrs, streams_per_address=per_address, deadline=120.0, device=device)
+
+    transports = [("tcp", 1, tcp(addresses[:1], 1)),
+                  ("tcp", len(addresses) * streams, tcp(addresses, streams)),
+                  ("gloo", 1, lambda: GlooChannel(rank, [1 - rank], names, None, deadline=120.0))]
+    two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
+    if two_gpus:
+        nccl = dist.new_group([0, 1], backend="nccl")
+        transports.append(("nccl-p2p", 1, lambda: TorchP2PChannel(rank, [1 - rank], names, nccl, deadline=120.0)))
+    rows = []
+    for transport, nstreams, make in transports:
+        channel = make()
+        try:
+            for nbytes in opts["sizes"]:
+                gbps = stream_messages(channel, rank, nbytes, device, opts["budget"])
+                if rank == 0:
+                    rows.append((transport, nstreams, nbytes, gbps))
+                    print(f"{transport:>9} {nstreams:>3} streams {human(nbytes):>7}: {gbps:7.3f} GB/s",
+                          file=sys.stderr, flush=True)
+        finally:
+            channel.close()
+        dist.barrier()
+    if two_gpus and rank == 0:
+        for nbytes in opts["sizes"]:
+            rows.append(("peer-copy", 1, nbytes, peer_copy(nbytes, opts["budget"])))
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_channel: error: --device cuda but no GPU is visible", file=sys.stderr)
+        return 2
+    opts = {"device": args.device, "addresses": args.addresses, "streams": args.streams,
+            "sizes": QUICK_SIZES if args.quick else FULL_SIZES,
+            "budget": 32 * MIB if args.quick else 1024 * MIB, "token": secrets.token_hex(16)}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(rank, store.port, opts, results), daemon=True) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    until = time.monotonic() + args.time_limit
+    rows, failures = None, []
+    try:
+        for _ in procs:
+            kind, rank, payload = results.get(timeout=max(until - time.monotonic(), 0.1))
+            if kind == "error":
+                failures.append(f"rank {rank} failed:\n{payload}")
+            elif rank == 0:
+                rows = payload
+    except queue.Empty:
+        failures.append(f"gave up after {args.time_limit:g} s (--time-limit)")
+    finally:
+        for proc in procs:
+            proc.join(5.0 if not failures else 0.5)
+            if proc.is_alive():
+                proc.kill()
+    failure = "\n".join(failures) or None
+    if failure is not None or rows is None:
+        print(f"bench_channel: error: {failure}", file=sys.stderr)
+        return 1
+    where = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(0)
+    print(f"channel bandwidth, 2 local processes, device {where}, addresses {','.join(args.addresses)}")
+    print(f"{'transport':<10} {'streams':>7} {'size':>8} {'GB/s':>8}")
+    print("-" * 36)
+    for transport, nstreams, nbytes, gbps in rows:
+        print(f"{transport:<10} {nstreams:>7} {human(nbytes):>8} {gbps:>8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""The TCP boundary channel between real processes on 127.0.0.1, and the frame header it carries.
+
+The pytest process plays stage 0 (a real TcpChannel, or a rogue peer written
+with a raw socket and the channel's own header encoder); a spawned process
+plays stage 1. Every wait is bounded; the whole file stays under a minute.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import struct
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import REPO, run_cli
+from hetpipe.comm.channel import (
+    HEADER_SIZE,
+    ChannelError,
+    ChannelTimeout,
+    CompletionHandle,
+    FrameHeader,
+    check_header,
+    decode_header,
+    encode_header,
+    header_for,
+)
+from hetpipe.comm.tcp import (
+    ACCEPTED_REPLY,
+    MIN_PIECE_BYTES,
+    REPLY_SIZE,
+    TcpChannel,
+    encode_hello,
+    lookup_endpoints,
+    split_pieces,
+)
+
+CTX = multiprocessing.get_context("spawn")
+NAMES = {0: "stage 0 (group nvidia, rank 0)", 1: "stage 1 (group amd, rank 1)", 2: "stage 2 (group amd, rank 2)"}
+TOKEN = "job-3141-secret"
+LOOPBACKS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+# (dtype, shape) pairs every round trip carries; the last one is 16 MiB.
+CASES = [
+    (torch.float32, (2, 64, 128)),
+    (torch.bfloat16, (3, 5, 7)),
+    (torch.int64, (1000,)),
+    (torch.float16, (0,)),
+    (torch.float32, (0, 4, 4)),
+    (torch.float64, ()),
+    (torch.uint8, (17,)),
+    (torch.bool, (9, 2)),
+    (torch.float32, (4 * 1024 * 1024,)),
+]
+
+
+def make(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    return torch.randint(0, 250, shape, generator=g).to(dtype)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+# ----------------------------------------------------------- process harness
+
+def _child(target, rank: int, port: int, results, args: tuple) -> None:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+        results.put((rank, "ok", target(rank, store, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class Ranks:
+    """A TCPStore hosted here plus one spawned process per rank running ``target(rank, store, *args)``."""
+
+    def __init__(self, target, ranks: list[int], *args, timeout: float = 15.0) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout))
+        self.timeout = timeout
+        self.queue = CTX.Queue()
+        self.procs = {r: CTX.Process(target=_child, args=(target, r, self.store.port, self.queue, args), daemon=True)
+                      for r in ranks}
+
+    def __enter__(self) -> "Ranks":
+        for proc in self.procs.values():
+            proc.start()
+        return self
+
+    def results(self) -> dict[int, object]:
+        out: dict[int, object] = {}
+        until = time.monotonic() + self.timeout
+        while len(out) < len(self.procs):
+            rank, status, value = self.queue.get(timeout=max(until - time.monotonic(), 0.1))
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            out[rank] = value
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+
+
+def channel(rank: int, store, peers: list[int] | None = None, **kw) -> TcpChannel:
+    kw.setdefault("deadline", 15.0)
+    return TcpChannel(rank, [1 - rank] if peers is None else peers, NAMES, store, kw.pop("token", TOKEN), **kw)
+
+
+# ------------------------------------------------------------- child targets
+
+def echo_cases(rank: int, store, addresses: list[str], streams: int) -> int:
+    """Receive every case as fwd and send it straight back as bwd."""
+    with channel(rank, store, addresses=addresses, streams_per_address=streams) as ch:
+        for i, (dtype, shape) in enumerate(CASES):
+            buf = torch.empty(shape, dtype=dtype)
+            ch.irecv(buf, 0, microbatch=i, kind="fwd").wait()
+            ch.isend(buf, 0, microbatch=i, kind="bwd").wait()
+        return ch.nstreams
+
+
+def interleave(rank: int, store, count: int) -> list[int]:
+    """Send ``count`` bwd messages while receiving ``count`` fwd ones, all posted up front."""
+    with channel(rank, store, addresses=LOOPBACKS) as ch:
+        return _interleave(ch, rank, count)
+
+
+def _interleave(ch: TcpChannel, rank: int, count: int) -> list[int]:
+    out_kind, in_kind = ("fwd", "bwd") if rank == 0 else ("bwd", "fwd")
+    size = lambda i: 100 if i % 2 else 3 * MIN_PIECE_BYTES // 4 + 7 * i  # noqa: E731 - 1 piece or 3
+    sends = [ch.isend(torch.full((size(i),), float(i + 1000 * rank)), 1 - rank, microbatch=i, kind=out_kind)
+             for i in range(count)]
+    # Let the peer's messages arrive before the receives are posted: the
+    # receiver must hold them in the socket, then match them in order.
+    time.sleep(0.2)
+    bufs = [torch.empty(size(i)) for i in range(count)]
+    recvs = [ch.irecv(b, 1 - rank, microbatch=i, kind=in_kind) for i, b in enumerate(bufs)]
+    for h in recvs + sends:
+        h.wait()
+    other = 1000 * (1 - rank)
+    return [i for i, b in enumerate(bufs) if not torch.equal(b, torch.full_like(b, float(i + other)))]
+
+
+def expect_mismatches(rank: int, store) -> tuple[list[str], bool]:
+    """Four irecvs of float32[2, 64, 128]; the rogue peer answers three of them wrongly."""
+    errors = []
+    with channel(rank, store) as ch:
+        for mb in (3, 4, 5):
+            try:
+                ch.irecv(torch.empty(2, 64, 128), 0, microbatch=mb, kind="fwd").wait()
+                errors.append("no error")
+            except ChannelError as exc:
+                errors.append(str(exc))
+        last = torch.empty(2, 64, 128)
+        ch.irecv(last, 0, microbatch=7, kind="fwd").wait()
+        return errors, torch.equal(last, make(torch.float32, (2, 64, 128), 7))
+
+
+def expect_truncation(rank: int, store) -> list[str]:
+    with channel(rank, store) as ch:
+        first = ch.irecv(torch.empty(1024), 0, microbatch=0, kind="fwd")
+        second = ch.irecv(torch.empty(8), 0, microbatch=1, kind="fwd")
+        out = []
+        for handle in (first, second):
+            try:
+                handle.wait(10.0)
+                out.append("no error")
+            except ChannelError as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+        return out
+
+
+def connect_then_idle(rank: int, store, seconds: float) -> str:
+    """Connect, never send, and leave once the peer goes away (or after ``seconds``)."""
+    with channel(rank, store) as ch:
+        try:
+            ch.irecv(torch.empty(1), 0, microbatch=99, kind="fwd").wait(seconds)
+        except ChannelError as exc:
+            return str(exc)
+    return "idle"
+
+
+def chain_end(rank: int, store, count: int) -> list[float]:
+    """Stage 0 sends fwd to stage 1 and collects bwd; stage 2 turns each fwd into a bwd."""
+    with channel(rank, store, peers=[1], addresses=LOOPBACKS[:2]) as ch:
+        out = []
+        for mb in range(count):
+            buf = torch.empty(3)
+            if rank == 0:
+                ch.isend(torch.full((3,), float(mb)), 1, microbatch=mb, kind="fwd").wait()
+                ch.irecv(buf, 1, microbatch=mb, kind="bwd").wait()
+            else:
+                ch.irecv(buf, 1, microbatch=mb, kind="fwd").wait()
+                ch.isend(buf * 10, 1, microbatch=mb, kind="bwd").wait()
+            out.append(buf[0].item())
+        return out
+
+
+def echo_once(rank: int, store) -> bool:
+    with channel(rank, store) as ch:
+        buf = torch.empty(4, 4)
+        ch.irecv(buf, 0, microbatch=0, kind="fwd").wait()
+        ch.isend(buf * 2, 0, microbatch=0, kind="bwd").wait()
+        return True
+
+
+# -------------------------------------------------------------- rogue peer
+
+def rogue_connect(store, token: str = TOKEN) -> socket.socket:
+    """Connect to stage 1 as 'stage 0' with a raw socket and do the handshake by hand."""
+    _, endpoints = lookup_endpoints(store, 1, 10.0)
+    sock = socket.create_connection(endpoints[0], timeout=10.0)
+    sock.sendall(encode_hello(0, 0, 1, token))
+    reply = b""
+    while len(reply) < REPLY_SIZE:
+        chunk = sock.recv(REPLY_SIZE - len(reply))
+        assert chunk, "stage 1 closed the rogue's connection during the handshake"
+        reply += chunk
+    assert reply == ACCEPTED_REPLY
+    return sock
+
+
+def frame(tensor: torch.Tensor, *, seq: int, microbatch: int, kind: str = "fwd") -> bytes:
+    header = header_for(tensor, seq=seq, microbatch=microbatch, kind=kind)
+    return encode_header(header) + tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+# ------------------------------------------------------------ header tests
+
+def test_header_round_trips_every_field_and_rejects_foreign_frames():
+    header = FrameHeader(seq=12, microbatch=3, kind="bwd", dtype=torch.bfloat16, shape=(2, 64, 128),
+                         nbytes=2 * 64 * 128 * 2, offset=4096, length=8192, npieces=3)
+    wire = encode_header(header)
+    assert len(wire) == HEADER_SIZE and wire[:4] == b"HPCH"
+    assert decode_header(wire) == header
+    zero = header_for(torch.empty(0, 5), seq=0, microbatch=0, kind="fwd")
+    assert decode_header(encode_header(zero)) == zero and zero.nbytes == 0
+    with pytest.raises(ChannelError, match="magic"):
+        decode_header(b"HTTP" + wire[4:], sender=NAMES[0])
+    with pytest.raises(ChannelError, match="protocol version 2"):
+        decode_header(wire[:4] + struct.pack("<H", 2) + wire[6:], sender=NAMES[0])
+    with pytest.raises(ChannelError, match="at most 8 dimensions"):
+        header_for(torch.empty([1] * 9), seq=0, microbatch=0, kind="fwd")
+    with pytest.raises(ChannelError, match="kind"):
+        header_for(torch.empty(1), seq=0, microbatch=0, kind="sideways")
+
+
+def test_check_header_names_both_stages_and_both_messages():
+    expected = header_for(torch.empty(2, 64, 128), seq=5, microbatch=3, kind="fwd")
+    received = header_for(torch.empty(2, 64, 129), seq=5, microbatch=3, kind="fwd")
+    with pytest.raises(ChannelError) as info:
+        check_header(received, expected, receiver=NAMES[1], sender=NAMES[0])
+    assert str(info.value) == ("stage 1 (group amd, rank 1) expected fwd microbatch 3 float32[2, 64, 128] "
+                               "from stage 0 (group nvidia, rank 0), received fwd microbatch 3 float32[2, 64, 129]")
+    with pytest.raises(ChannelError, match="out of order"):
+        check_header(header_for(torch.empty(2, 64, 128), seq=6, microbatch=3, kind="fwd"), expected,
+                     receiver=NAMES[1], sender=NAMES[0])
+
+
+def test_pieces_cover_the_message_and_small_messages_use_one():
+    assert split_pieces(0, 4) == [(0, 0)]
+    assert split_pieces(1000, 4) == [(0, 1000)]
+    pieces = split_pieces(16 * 1024 * 1024 + 3, 3)
+    assert len(pieces) == 3 and pieces[0][0] == 0
+    assert all(a + la == b for (a, la), (b, _) in zip(pieces, pieces[1:]))
+    assert sum(length for _, length in pieces) == 16 * 1024 * 1024 + 3
+
+
+def test_handle_deadline_names_owner_and_message():
+    handle = CompletionHandle(owner=NAMES[1], action=f"receive fwd microbatch 0 float32[4] from {NAMES[0]}",
+                              deadline=0.2)
+    start = time.monotonic()
+    with pytest.raises(ChannelTimeout, match=r"stage 1 .* timed out after 0.2 s waiting to receive fwd "
+                                             r"microbatch 0 float32\[4\] from stage 0"):
+        handle.wait()
+    assert time.monotonic() - start < 1.0
+
+
+# -------------------------------------------------------- two-process tests
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("addresses,streams", [(["127.0.0.1"], 1), (LOOPBACKS, 1), (LOOPBACKS[:2], 2)],
+                         ids=["1-stream", "3-addresses", "2-addresses-x2"])
+def test_round_trip_is_bit_exact(addresses, streams):
+    with Ranks(echo_cases, [1], addresses, streams) as ranks:
+        with channel(0, ranks.store, addresses=addresses, streams_per_address=streams) as ch:
+            for i, (dtype, shape) in enumerate(CASES):
+                sent = make(dtype, shape, seed=i)
+                back = torch.full(shape, 7, dtype=dtype) if sent.numel() else torch.empty(shape, dtype=dtype)
+                send = ch.isend(sent, 1, microbatch=i, kind="fwd")
+                recv = ch.irecv(back, 1, microbatch=i, kind="bwd")
+                send.wait()
+                recv.wait()
+                assert send.done() and recv.done()
+                assert bits_equal(sent, back), f"{dtype} {shape} came back different"
+        assert ranks.results()[1] == len(addresses) * streams
+
+
+@pytest.mark.timeout(40)
+def test_interleaved_fwd_and_bwd_keep_fifo_matching():
+    with Ranks(interleave, [1], 24) as ranks:
+        with channel(0, ranks.store, addresses=LOOPBACKS) as ch:
+            assert _interleave(ch, 0, 24) == []
+        assert ranks.results()[1] == []
+
+
+@pytest.mark.timeout(30)
+def test_middle_stage_accepts_from_below_and_connects_above():
+    with Ranks(chain_end, [0, 2], 5) as ranks:
+        with channel(1, ranks.store, peers=[0, 2], addresses=LOOPBACKS[:2]) as ch:
+            for mb in range(5):
+                act, grad = torch.empty(3), torch.empty(3)
+                ch.irecv(act, 0, microbatch=mb, kind="fwd").wait()
+                ch.isend(act + 1, 2, microbatch=mb, kind="fwd").wait()
+                ch.irecv(grad, 2, microbatch=mb, kind="bwd").wait()
+                ch.isend(grad, 0, microbatch=mb, kind="bwd").wait()
+        results = ranks.results()
+    assert results[0] == [10.0 * (mb + 1) for mb in range(5)]
+    assert results[2] == [mb + 1.0 for mb in range(5)]
+
+
+@pytest.mark.timeout(30)
+def test_header_mismatch_names_both_stages_and_the_stream_recovers():
+    with Ranks(expect_mismatches, [1]) as ranks:
+        sock = rogue_connect(ranks.store)
+        try:
+            good = make(torch.float32, (2, 64, 128), 7)
+            sock.sendall(frame(torch.ones(2, 64, 129), seq=0, microbatch=3))
+            sock.sendall(frame(torch.ones(2, 64, 128, dtype=torch.bfloat16), seq=1, microbatch=4))
+            sock.sendall(frame(torch.ones(2, 64, 128), seq=2, microbatch=6))
+            sock.sendall(frame(good, seq=3, microbatch=7))
+            errors, last_ok = ranks.results()[1]
+        finally:
+            sock.close()
+    prefix = "stage 1 (group amd, rank 1) expected fwd microbatch {} float32[2, 64, 128] from stage 0 (group nvidia, rank 0), received "
+    assert errors == [prefix.format(3) + "fwd microbatch 3 float32[2, 64, 129]",
+                      prefix.format(4) + "fwd microbatch 4 bfloat16[2, 64, 128]",
+                      prefix.format(5) + "fwd microbatch 6 float32[2, 64, 128]"]
+    assert last_ok, "the message after three rejected ones did not arrive intact"
+
+
+@pytest.mark.timeout(30)
+def test_truncated_frame_fails_mid_message_and_later_receives_fail_fast():
+    with Ranks(expect_truncation, [1]) as ranks:
+        sock = rogue_connect(ranks.store)
+        header = header_for(torch.empty(1024), seq=0, microbatch=0, kind="fwd")
+        sock.sendall(encode_header(header) + bytes(100))
+        time.sleep(0.2)
+        sock.close()
+        first, second = ranks.results()[1]
+    assert first.startswith("ChannelError: connection to stage 0 (group nvidia, rank 0) closed mid-message: "
+                            "received 100 of 4096 bytes"), first
+    assert second == first, "a receive posted behind the broken one must fail with the same cause"
+
+
+@pytest.mark.timeout(30)
+def test_killed_peer_fails_pending_receive_naming_its_stage():
+    with Ranks(connect_then_idle, [1], 60.0) as ranks:
+        with channel(0, ranks.store) as ch:
+            pending = ch.irecv(torch.empty(64), 1, microbatch=0, kind="bwd")
+            ranks.procs[1].kill()
+            start = time.monotonic()
+            with pytest.raises(ChannelError) as info:
+                pending.wait(10.0)
+            assert time.monotonic() - start < 5.0
+            assert not isinstance(info.value, ChannelTimeout)
+            assert "connection to stage 1 (group amd, rank 1) lost" in str(info.value)
+            # The peer is gone: new transfers fail at once instead of waiting out a deadline.
+            with pytest.raises(ChannelError, match="stage 1 .* lost"):
+                ch.isend(torch.ones(3), 1, microbatch=1, kind="fwd").wait(1.0)
+
+
+@pytest.mark.timeout(30)
+def test_silent_peer_times_out_at_the_deadline_naming_its_stage():
+    with Ranks(connect_then_idle, [1], 15.0) as ranks:
+        with channel(0, ranks.store, deadline=1.5) as ch:
+            pending = ch.irecv(torch.empty(2, 64, 128), 1, microbatch=4, kind="bwd")
+            start = time.monotonic()
+            with pytest.raises(ChannelTimeout) as info:
+                pending.wait()  # the channel's deadline
+            elapsed = time.monotonic() - start
+            assert 1.4 <= elapsed < 2.5
+            assert str(info.value) == ("stage 0 (group nvidia, rank 0) timed out after 1.5 s waiting to receive "
+                                       "bwd microbatch 4 float32[2, 64, 128] from stage 1 (group amd, rank 1)")
+            start = time.monotonic()
+            with pytest.raises(ChannelTimeout):
+                pending.wait(0.3)
+            assert time.monotonic() - start < 1.0
+            start = time.monotonic()
+            ch.close()
+            ch.close()  # idempotent
+            assert time.monotonic() - start < 2.5
+            with pytest.raises(ChannelError, match="closed"):
+                pending.wait(0.1)
+        # Stage 1 notices the close as a lost connection rather than idling out its wait.
+        assert "connection to stage 0 (group nvidia, rank 0) lost" in ranks.results()[1]
+
+
+@pytest.mark.timeout(40)
+def test_wrong_token_is_refused_while_the_real_peer_still_connects():
+    with Ranks(echo_once, [1]) as ranks:
+        _, endpoints = lookup_endpoints(ranks.store, 1, 10.0)
+        half_open = socket.create_connection(endpoints[0], timeout=5.0)  # says nothing at all
+        garbage = socket.create_connection(endpoints[0], timeout=5.0)
+        garbage.sendall(b"GET / HTTP/1.1\r\nHost: stage1\r\n\r\n" * 4)
+        oversized = socket.create_connection(endpoints[0], timeout=5.0)
+        oversized.sendall(encode_hello(0, 0, 1, TOKEN)[:-len(TOKEN) - 4] + struct.pack("<I", 1 << 30))
+        try:
+            with pytest.raises(ChannelError) as info:
+                channel(0, ranks.store, token="not-the-job-token", deadline=5.0)
+            assert str(info.value) == "peer stage 1 (group amd, rank 1) refused the connection: wrong job token"
+            with channel(0, ranks.store) as ch:
+                back = torch.empty(4, 4)
+                ch.isend(torch.arange(16.0).reshape(4, 4), 1, microbatch=0, kind="fwd").wait()
+                ch.irecv(back, 1, microbatch=0, kind="bwd").wait()
+                assert torch.equal(back, 2 * torch.arange(16.0).reshape(4, 4))
+            assert ranks.results()[1] is True
+        finally:
+            for sock in (half_open, garbage, oversized):
+                sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_bench_quick_cpu_prints_a_table():
+    start = time.monotonic()
+    proc = run_cli([str(REPO / "scripts" / "bench_channel.py"), "--quick", "--device", "cpu"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
+    header_at = max(i for i, line in enumerate(lines) if line.split()[:4] == ["transport", "streams", "size", "GB/s"])
+    rows = [line.split() for line in lines[header_at + 1:] if not set(line) <= {"-", " "}]
+    transports = {row[0] for row in rows}
+    assert {"tcp", "gloo"} <= transports, proc.stdout
+    assert {row[1] for row in rows if row[0] == "tcp"} >= {"1", "4"}
+    assert all(float(row[-1]) > 0 for row in rows)
+    assert time.monotonic() - start < 40
