@@ -70,9 +70,9 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any) -> Any:
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetpipe-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
         start_method="spawn")
-    # The elastic agent logs every state change at INFO/WARNING; keep the
-    # console for the job's own output.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The elastic agent logs state changes and a failed rank's traceback; a
+    # failure is reported below in one line (and bad input by the rank itself).
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _worker)(fn, args)
     except ChildFailedError as exc:

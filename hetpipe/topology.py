@@ -48,6 +48,24 @@ def build_plan(partition, cluster: ClusterConfig, model: ModelConfig) -> Plan:
     return plan
 
 
+def check_group_vendor(cluster: ClusterConfig, group: GroupConfig) -> None:
+    """A group's declared vendor must be the hardware's, unless the cluster emulates."""
+    detected = "cpu" if group.on_cpu else detect_vendor()
+    if group.vendor not in ("auto", detected) and not cluster.emulate:
+        raise ConfigError(
+            f"group {group.name!r} is declared {group.vendor} but its ranks run on {detected} "
+            "hardware; set cluster.emulate=true to emulate a mixed cluster")
+
+
+def check_transport_available(cluster: ClusterConfig) -> str:
+    """The cross-vendor channel kind this release runs for ``transport.kind``."""
+    kind = cluster.transport.kind
+    if kind == "direct":
+        raise ConfigError("cluster.transport.kind=direct: the device-direct channel is not part of "
+                          "this release yet; use tcp (CPU-forwarding) or gloo")
+    return "tcp" if kind == "auto" else kind
+
+
 @dataclass
 class Topology:
     cluster: ClusterConfig
@@ -83,11 +101,7 @@ class Topology:
         return torch.device("cuda", self.local_rank)
 
     def _check_vendor(self) -> None:
-        detected = "cpu" if self.group.on_cpu else detect_vendor()
-        if self.group.vendor not in ("auto", detected) and not self.cluster.emulate:
-            raise ConfigError(
-                f"rank {self.rank} is declared {self.group.vendor} (group {self.group.name!r}) but runs on "
-                f"{detected} hardware; set cluster.emulate=true to emulate a mixed cluster")
+        check_group_vendor(self.cluster, self.group)
 
     # -- naming -----------------------------------------------------------------
     def group_name_of(self, rank: int) -> str:
@@ -155,10 +169,7 @@ class Topology:
             channel = TorchP2PChannel(self.rank, same, names, self.vendor_groups[self.group_index],
                                       deadline=t.deadline_s)
             self.channels.update({r: channel for r in same})
-        kind = "tcp" if t.kind == "auto" else t.kind
-        if kind == "direct":
-            raise ConfigError("cluster.transport.kind=direct: the device-direct channel is not part of "
-                              "this release yet; use tcp (CPU-forwarding) or gloo")
+        kind = check_transport_available(self.cluster)
         if cross:
             if kind == "tcp":
                 channel = TcpChannel(self.rank, cross, names, dist.distributed_c10d._get_default_store(),

@@ -23,14 +23,14 @@ from hetpipe.config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
-from hetpipe.launch import launch, rank_env
+from hetpipe.launch import launch, rank_env, under_torchrun
 from hetpipe.metrics import MetricsLogger
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.schedules import build_schedule
-from hetpipe.topology import Topology, build_plan
+from hetpipe.topology import Topology, build_plan, check_group_vendor, check_transport_available
 
 
 def lr_at(step: int, opt: OptimizerConfig, train_iters: int) -> float:
@@ -81,12 +81,25 @@ def peak_tflops(cfg: PretrainConfig, device: torch.device) -> float | None:
 def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     """Pretrain ``cfg.model`` on ``cfg.cluster``; returns the step losses (from rank 0).
 
-    Checks the plan before any process starts, then runs :func:`run_rank` on
-    every rank (in-process for a one-rank cluster).
+    Checks the plan, the data and (for ranks started here) the vendors before
+    any process starts, so bad input fails once, in one line; then runs
+    :func:`run_rank` on every rank (in-process for a one-rank cluster).
     """
     build_plan(cfg.partition, cfg.cluster, cfg.model)
+    check_transport_available(cfg.cluster)
+    if not under_torchrun():
+        for group in cfg.cluster.groups:
+            check_group_vendor(cfg.cluster, group)
+    _loader(cfg)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
     return launch(cfg.cluster, run_rank, cfg_dict, str(run_dir))
+
+
+def _loader(cfg: PretrainConfig) -> MicrobatchLoader:
+    t = cfg.train
+    return MicrobatchLoader(cfg.data.path, cfg.data.tokenizer, seq_length=t.seq_length,
+                            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                            vocab_size=cfg.model.vocab_size, seed=t.seed)
 
 
 def run_rank(cfg_dict: dict, run_dir: str) -> list[float]:
@@ -108,10 +121,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
     channels = topo.build_channels() if topo.world_size > 1 else {}
-    loader = MicrobatchLoader(cfg.data.path, cfg.data.tokenizer, seq_length=t.seq_length,
-                              global_batch_size=t.global_batch_size,
-                              micro_batch_size=t.micro_batch_size,
-                              vocab_size=cfg.model.vocab_size, seed=t.seed)
+    loader = _loader(cfg)
     ranges = plan.unit_ranges()
     P = plan.pipeline_size
     my_stages = [c * P + topo.rank for c in range(plan.num_chunks)]
