@@ -12,6 +12,14 @@ sides is not detected here (NCCL fails or hangs until the deadline). Use it
 only where the engine's schedule is trusted; cross-vendor boundaries use the
 header-checked channels.
 
+Each *direction* of a boundary gets its own process group. NCCL runs the
+operations of one communicator in issue order on one stream, so a send and a
+receive between the same two ranks must be issued in the same relative order
+on both sides. The engine posts receives ahead of use, which interleaves one
+rank's sends and receives differently from its peer's and would deadlock a
+shared communicator. With one communicator per direction, each carries a
+single FIFO stream of messages whose order the schedules guarantee to match.
+
 :class:`WorkHandle` (a handle over torch ``Work`` objects with a deadline) is
 shared with the gloo channel.
 """
@@ -72,31 +80,33 @@ class WorkHandle(Handle):
 
 
 class TorchP2PChannel(Channel):
-    """isend/irecv on a vendor group's own process group, for same-vendor boundaries.
+    """isend/irecv on the vendor's own library, for same-vendor boundaries.
 
-    ``group`` is the process group both stages belong to (None: the default
-    group); peers are global ranks. Tensors go as they are, on the device the
-    backend expects (CUDA for NCCL/RCCL, CPU for gloo).
+    ``groups`` maps each ordered (sender, receiver) pair of global ranks to the
+    process group that carries that direction (None: the default group, fine
+    for gloo). Tensors go as they are, on the device the backend expects (CUDA
+    for NCCL/RCCL, CPU for gloo).
     """
 
     def __init__(self, rank: int, peers: list[int], names: dict[int, str],
-                 group: dist.ProcessGroup | None = None, deadline: float = 300.0) -> None:
+                 groups: dict[tuple[int, int], dist.ProcessGroup | None] | None = None,
+                 deadline: float = 300.0) -> None:
         super().__init__(rank, peers, names, deadline)
         if not dist.is_initialized():
             raise ChannelError("TorchP2PChannel needs torch.distributed to be initialized")
-        self.group = group
+        self.groups = groups or {}
         self._closed = False
 
     def isend(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
         self._check(tensor, peer, kind)
-        work = dist.isend(tensor, dst=peer, group=self.group)
+        work = dist.isend(tensor, dst=peer, group=self.groups.get((self.rank, peer)))
         return WorkHandle([work], owner=self.name, deadline=self.deadline,
                           action=f"send {describe(kind, microbatch, tensor.dtype, tensor.shape)} "
                                  f"to {self.name_of(peer)}")
 
     def irecv(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
         self._check(tensor, peer, kind)
-        work = dist.irecv(tensor, src=peer, group=self.group)
+        work = dist.irecv(tensor, src=peer, group=self.groups.get((peer, self.rank)))
         return WorkHandle([work], owner=self.name, deadline=self.deadline,
                           action=f"receive {describe(kind, microbatch, tensor.dtype, tensor.shape)} "
                                  f"from {self.name_of(peer)}")

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             first, last = min(curve), max(curve)
             print(f"{str(run)[-48:]:<48} {len(curve):>6} {curve[first]:>11.6f} {curve[last]:>11.6f}")
         ok = True
-        print(f"\n{'compared with ' + str(args.runs[0])[-30:]:<48} {'max |d|':>10} {'mean |d|':>10} "
-              f"{'max rel':>10} {'final rel':>10}  verdict")
+        print(f"\nreference: {args.runs[0]}")
+        print(f"{'run':<48} {'max |d|':>10} {'mean |d|':>10} {'max rel':>10} {'final rel':>10}  verdict")
         for run, curve in zip(args.runs[1:], curves[1:]):
             c = compare_curves(curves[0], curve)
             verdict = "PASS" if c.passes(args.rtol) else "FAIL"

@@ -85,6 +85,7 @@ class Topology:
         self.device = self._device(self.group)
         self._check_vendor()
         self.vendor_groups: list[Optional[dist.ProcessGroup]] = []
+        self.p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self.embedding_group: Optional[dist.ProcessGroup] = None
         self.channels: dict[int, Channel] = {}
 
@@ -126,14 +127,19 @@ class Topology:
 
     # -- process groups and channels ---------------------------------------------
     def init_process_groups(self, tied_embeddings: bool) -> None:
-        """Create the world, vendor, and embedding groups (same order on every rank)."""
+        """Create the world, vendor, boundary and embedding groups (same order on every rank)."""
         if self.world_size == 1:
             return
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
         for i, g in enumerate(self.cluster.groups):
-            backend = "gloo" if g.on_cpu else "nccl"
-            self.vendor_groups.append(dist.new_group(self.cluster.group_ranks(i), backend=backend))
+            self.vendor_groups.append(dist.new_group(self.cluster.group_ranks(i), backend=self._backend(g)))
+        # One communicator per direction of every same-vendor boundary (see
+        # comm/p2p.py for why NCCL needs this).
+        for src, dst in self._same_vendor_directions():
+            group = dist.new_group([src, dst], backend=self._backend(self.cluster.group_of(src)[1]))
+            if self.rank in (src, dst):
+                self.p2p_groups[(src, dst)] = group
         first, last = 0, self.world_size - 1
         if self.plan.num_chunks > 1:
             last = (len(self.plan.stages) - 1) % self.world_size
@@ -141,6 +147,18 @@ class Topology:
             group = dist.new_group([first, last], backend="gloo")
             if self.rank in (first, last):
                 self.embedding_group = group
+
+    @staticmethod
+    def _backend(group: GroupConfig) -> str:
+        return "gloo" if group.on_cpu else "nccl"  # nccl is RCCL on a ROCm build
+
+    def _same_vendor_directions(self) -> list[tuple[int, int]]:
+        """Ordered (sender, receiver) rank pairs of all same-vendor boundaries."""
+        p = self.world_size
+        pairs = {(r, (r + 1) % p) for r in range(p)} if self.plan.num_chunks > 1 else \
+            {(r, r + 1) for r in range(p - 1)}
+        both = {d for a, b in pairs for d in ((a, b), (b, a)) if a != b}
+        return sorted(d for d in both if not self.is_cross_vendor(*d))
 
     def job_token(self) -> str:
         """The job's shared secret for channel handshakes: $HETPIPE_JOB_TOKEN (set by
@@ -166,8 +184,7 @@ class Topology:
         same = [r for r in self.neighbours if not self.is_cross_vendor(self.rank, r)]
         cross = [r for r in self.neighbours if self.is_cross_vendor(self.rank, r)]
         if same:
-            channel = TorchP2PChannel(self.rank, same, names, self.vendor_groups[self.group_index],
-                                      deadline=t.deadline_s)
+            channel = TorchP2PChannel(self.rank, same, names, self.p2p_groups, deadline=t.deadline_s)
             self.channels.update({r: channel for r in same})
         kind = check_transport_available(self.cluster)
         if cross:
