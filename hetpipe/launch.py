@@ -11,6 +11,7 @@ exits 2; the launcher then reports which rank failed, in one line.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import secrets
@@ -34,7 +35,13 @@ def rank_env() -> tuple[int, int, int]:
 
 
 def _worker(fn: Callable[..., Any], args: tuple) -> Any:
-    """Entry point of each spawned rank: bad input becomes one line and exit 2."""
+    """Entry point of each spawned rank: bad input becomes one line and exit 2.
+
+    ``HETPIPE_STACK_DUMP_S=N`` makes every rank print all its threads' stacks
+    after N seconds - the quickest way to see where a hung job waits.
+    """
+    if os.environ.get("HETPIPE_STACK_DUMP_S"):
+        faulthandler.dump_traceback_later(float(os.environ["HETPIPE_STACK_DUMP_S"]), exit=False)
     try:
         return fn(*args)
     except HetpipeError as exc:

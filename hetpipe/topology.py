@@ -133,11 +133,11 @@ class Topology:
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
         for i, g in enumerate(self.cluster.groups):
-            self.vendor_groups.append(dist.new_group(self.cluster.group_ranks(i), backend=self._backend(g)))
+            self.vendor_groups.append(self._new_group(self.cluster.group_ranks(i), g))
         # One communicator per direction of every same-vendor boundary (see
         # comm/p2p.py for why NCCL needs this).
         for src, dst in self._same_vendor_directions():
-            group = dist.new_group([src, dst], backend=self._backend(self.cluster.group_of(src)[1]))
+            group = self._new_group([src, dst], self.cluster.group_of(src)[1])
             if self.rank in (src, dst):
                 self.p2p_groups[(src, dst)] = group
         first, last = 0, self.world_size - 1
@@ -148,9 +148,14 @@ class Topology:
             if self.rank in (first, last):
                 self.embedding_group = group
 
-    @staticmethod
-    def _backend(group: GroupConfig) -> str:
-        return "gloo" if group.on_cpu else "nccl"  # nccl is RCCL on a ROCm build
+    def _new_group(self, ranks: list[int], group: GroupConfig) -> dist.ProcessGroup:
+        """A gloo group for CPU ranks; an NCCL (RCCL on ROCm) group for GPU ranks,
+        initialised eagerly so that communicator set-up happens here, with every
+        member present, rather than inside the first training step."""
+        if group.on_cpu:
+            return dist.new_group(ranks, backend="gloo")
+        eager = {"device_id": self.device} if self.rank in ranks else {}
+        return dist.new_group(ranks, backend="nccl", **eager)
 
     def _same_vendor_directions(self) -> list[tuple[int, int]]:
         """Ordered (sender, receiver) rank pairs of all same-vendor boundaries."""
