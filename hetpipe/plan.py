@@ -1,0 +1,208 @@
+"""``python -m hetpipe.plan +model=NAME cluster=NAME [overrides]``: choose a plan, print it, write plan.yaml.
+
+Users of mixed clusters ask which split and parallelism to use; this answers
+with the cost-model partitioner (``hetpipe.partitioner.solver``): a table of
+stages (group, devices, TP x DP, layers, predicted compute / communication /
+bubble, memory per device, TFLOP/s per GPU) and a ``plan.yaml`` that
+``pretrain plan=PATH`` runs. ``partition.layers=[15,17]`` predicts a given
+split instead of searching one; ``-m`` sweeps clusters, models and splits.
+
+``python -m hetpipe.plan profile +model=NAME [train.seq_length=...]`` measures
+the model's units on this machine's device and adds them to a profile JSON
+(``profiling.output``) that ``planner.profile=PATH`` feeds back to the planner.
+
+The config composes like pretrain's (the same ``model``, ``cluster`` and
+``train`` groups and schemas); problems with the input end in one
+``hetpipe: error:`` line and exit status 2.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from hetpipe.cluster import ClusterConfig
+from hetpipe.config import PartitionConfig, TrainConfig, register_configs
+from hetpipe.errors import ConfigError, HetpipeError, run_cli
+from hetpipe.models.config import ModelConfig, preset_names
+from hetpipe.partitioner.solver import PlannerConfig, Solution, solve
+
+MODES = ("plan", "profile")
+
+
+@dataclass
+class ProfilingConfig:
+    # Profile JSON to create or extend (one entry per device type and shape).
+    output: str = "profile.json"
+    # Timed runs per unit (the median is kept), after warmup runs.
+    repeats: int = 5
+    warmup: int = 2
+    # Catalog key to file the measurement under; None detects this machine's device.
+    device_type: Optional[str] = None
+
+
+@dataclass
+class PlanConfig:
+    model: ModelConfig = MISSING
+    # seq_length, micro_batch_size, global_batch_size and precision shape the costs.
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # partition.layers fixes the split (the planner predicts it); 1f1b only.
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    # Where the plan is written.
+    output: str = "plan.yaml"
+    # plan, or profile (what a leading `profile` argument selects).
+    mode: str = "plan"
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r} is not one of {MODES}")
+        if self.train.seq_length > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"train.seq_length={self.train.seq_length} exceeds model {self.model.name!r}'s "
+                f"max_position_embeddings={self.model.max_position_embeddings}")
+        if self.mode == "plan" and (self.partition.schedule != "1f1b" or self.partition.num_chunks != 1):
+            raise ConfigError(f"the planner models the 1f1b schedule without interleaving; got "
+                              f"partition.schedule={self.partition.schedule}, "
+                              f"partition.num_chunks={self.partition.num_chunks}")
+
+
+def register_plan_config() -> None:
+    """Put the schema into hydra's ConfigStore (idempotent), next to pretrain's."""
+    from hydra.core.config_store import ConfigStore
+
+    register_configs()
+    ConfigStore.instance().store(name="plan_schema", node=PlanConfig)
+
+
+def resolve_plan(cfg: DictConfig | dict[str, Any]) -> PlanConfig:
+    """Turn a composed config into checked dataclass objects, or raise ConfigError."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.merge(OmegaConf.structured(PlanConfig), cfg)
+    if OmegaConf.is_missing(cfg, "model"):
+        raise ConfigError(f"no model chosen: add +model=NAME (one of {', '.join(preset_names())})")
+    try:
+        return OmegaConf.to_object(cfg)
+    except HetpipeError:
+        raise
+    except Exception as exc:  # OmegaConf wraps errors raised in __post_init__
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, HetpipeError):
+            raise cause from None
+        raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def run_plan(cfg: PlanConfig) -> Solution:
+    """Solve, print the table, write the plan."""
+    layers = list(cfg.partition.layers) if cfg.partition.layers is not None else None
+    solution = solve(cfg.model, cfg.cluster, cfg.train, cfg.planner, layers)
+    plan = solution.to_plan()
+    print(format_solution(solution), flush=True)
+    out = Path(cfg.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(out)
+    print(f"wrote {out}", flush=True)
+    return solution
+
+
+def run_profile(cfg: PlanConfig) -> None:
+    """Measure the units on this machine and file them in the profile JSON."""
+    from hetpipe.partitioner.catalog import catalog_with, detect_device_type
+    from hetpipe.partitioner.profile import measure_units, save_entry
+
+    p = cfg.profiling
+    name, entry = measure_units(cfg.model, cfg.train.seq_length, cfg.train.micro_batch_size,
+                                cfg.train.precision, repeats=p.repeats, warmup=p.warmup, seed=cfg.train.seed)
+    device_type = p.device_type or detect_device_type(name, catalog_with(dict(cfg.planner.catalog or {})))
+    if not device_type:
+        raise ConfigError(f"this machine's {name!r} is not in the device catalog: name it with "
+                          "profiling.device_type=NAME (and add it with planner.catalog.NAME={...})")
+    save_entry(p.output, device_type, entry)
+    shape = entry["shape"]
+    print(f"hetpipe profile: {cfg.model.name} on {name} ({device_type}), microbatch "
+          f"{entry['micro_batch_size']} x {shape['seq_length']} tokens, {shape['precision']}")
+    for kind, m in entry["units"].items():
+        peak = f", peak {m['peak_bytes'] / 2**20:.1f} MiB" if m["peak_bytes"] is not None else ""
+        print(f"  {kind:<9} forward {m['forward_s'] * 1e3:9.3f} ms  backward {m['backward_s'] * 1e3:9.3f} ms  "
+              f"kept {m['activation_bytes'] / 2**20:9.2f} MiB{peak}")
+    print(f"wrote {p.output}", flush=True)
+
+
+def format_solution(s: Solution) -> str:
+    """The plan as a table, one row per stage, and the predicted totals."""
+    cand = s.candidate
+    groups = ", ".join(f"{g.name} {g.size} x {s.device_types[g.name]}" for g in s.cluster.groups)
+    world = s.cluster.world_size
+    lines = [
+        f"hetpipe plan: {s.model.name} on {s.cluster.name} ({world} device{'s' * (world != 1)}: {groups})",
+        f"  pipeline {' -> '.join(s.group_order)}; 1f1b, {cand.num_microbatches} microbatches of "
+        f"{cand.micro_batch_size} x {s.seq_length} tokens (global batch {s.global_batch_size}); recompute "
+        f"{'on' if cand.recompute else 'off'}; cross-vendor boundaries costed as {s.transport}",
+        f"  costs: {', '.join(f'{g} {src}' for g, src in s.cost_source.items())}",
+        "",
+    ]
+    header = ("stage", "group", "device", "ranks", "TPxDP", "layers", "compute", "comm", "p2p*", "bubble",
+              "memory/device", "TFLOP/s/GPU")
+    rows = []
+    for st in s.stages:
+        extras = ("+emb" if st.units[0] == 0 else "") + ("+head" if st.units[1] == s.model.num_units else "")
+        rows.append((str(st.index), st.group, st.device_type, _ranks(st.ranks), f"{st.tp}x{st.dp}",
+                     f"{st.layers}{extras}", f"{st.compute_s:.3f}s", f"{st.comm_s:.3f}s", f"{st.p2p_s:.3f}s",
+                     f"{st.bubble_s:.3f}s", f"{st.memory_gib:.1f}/{st.usable_gib:.1f} GiB",
+                     f"{st.tflops_per_gpu:.1f}"))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    lines += [
+        "",
+        f"predicted step {s.step_s:.3f} s | {s.tflops_per_gpu:.1f} TFLOP/s/GPU (Megatron model FLOPs) | "
+        f"{s.tokens_per_s:,.0f} tokens/s | {s.gpus_used} of {s.cluster.world_size} devices used",
+        "* boundary messages, overlapped with compute by the engine; compute + comm + bubble = step",
+    ]
+    if s.idle_ranks:
+        lines.append(f"idle ranks: {_ranks(s.idle_ranks)}")
+    return "\n".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """0-7,16 style."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}-{r}" if r != start else str(r))
+            start = None
+    return ",".join(parts)
+
+
+register_plan_config()
+
+
+@hydra.main(version_base=None, config_path="pkg://hetpipe.configs", config_name="plan")
+def main(cfg: DictConfig) -> None:
+    def _run() -> None:
+        resolved = resolve_plan(cfg)
+        if resolved.mode == "profile":
+            run_profile(resolved)
+        else:
+            run_plan(resolved)
+
+    run_cli(_run)
+
+
+def cli() -> None:
+    """``profile`` as the first argument selects the profiling mode (before hydra parses argv)."""
+    if len(sys.argv) > 1 and sys.argv[1] == "profile":
+        sys.argv[1:2] = ["mode=profile"]
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,361 @@
+"""Cost and memory model of one model unit on one device type.
+
+The partitioner never runs the model: it needs, for each model unit (unit 0 the
+embedding, units 1..L the decoder layers, unit L+1 the final norm + head +
+loss), how long its forward and backward take on a device, how many bytes it
+pins there, and how long messages and collectives take on the links between
+devices. This module answers those questions, from a measured profile
+(``python -m hetpipe.plan profile``) where one exists and from the device
+catalog otherwise:
+
+* compute time = Megatron model FLOPs / (dense peak x efficiency); the
+  backward is twice the forward, and full recomputation adds one forward;
+* memory follows what hetpipe's trainer keeps: fp32 weights used directly
+  (4 bytes/param), fp32 gradients (4), Adam m and v (8; divided by DP with a
+  distributed optimizer), plus per in-flight microbatch the saved activations
+  and, under bf16 autocast, the bf16 copies of the weights autocast made for
+  that microbatch (autograd keeps them for the backward);
+* links: TP all-reduces on the intra-node fabric, stage boundaries over the
+  fabric, the network (device-direct) or CPU-forwarding's two host copies plus
+  TCP; DP gradient all-reduces as a ring over the slowest link of the group.
+
+The formulas, and their assumptions, are written out in docs/partitioner.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from hetpipe.models.config import ModelConfig
+from hetpipe.partitioner.catalog import DeviceSpec
+
+GIB = float(1 << 30)
+# Bytes per parameter in hetpipe's trainer (fp32 weights, fp32 grads, AdamW m and v).
+WEIGHT_BYTES = 4
+GRAD_BYTES = 4
+ADAM_BYTES = 8
+# A fused AdamW step reads weight, grad, m, v and writes weight, m, v (fp32).
+ADAM_STEP_BYTES = 28
+# Receive buffers the engine keeps posted ahead, per direction.
+RECV_AHEAD = 2
+
+
+@dataclass
+class NetworkConfig:
+    # One NIC's bandwidth in one direction, GB/s (400 Gb/s InfiniBand or RoCE = 50).
+    nic_gbs: float = 50.0
+    # NICs per node; the GPUs of a node that send at once share them.
+    nics_per_node: int = 8
+    # One-way latency of a message across the network, microseconds.
+    latency_us: float = 10.0
+    # Latency of a message or collective step over NVLink / Infinity Fabric.
+    intra_node_latency_us: float = 5.0
+    # What one TCP stream carries in practice, GB/s; CPU-forwarding stripes a
+    # message over the cluster's transport addresses x streams_per_address.
+    tcp_stream_gbs: float = 3.0
+    # Software cost of one CPU-forwarded message (two copies' launches, socket
+    # calls, the channel's header), microseconds.
+    cpu_forwarding_latency_us: float = 100.0
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Element sizes: matmul inputs/outputs, and the residual stream.
+
+    hetpipe keeps fp32 weights and an fp32 residual stream (the embedding is
+    not autocast), so stage boundaries carry fp32; bf16 autocast makes matmul
+    inputs and outputs bf16 on GPUs. CPUs run fp32 throughout.
+    """
+    matmul_bytes: int
+    residual_bytes: int = 4
+
+    @classmethod
+    def for_device(cls, spec: DeviceSpec, precision: str = "auto") -> "Precision":
+        """The trainer's rule: ``auto`` is bf16 autocast on GPUs and fp32 on CPUs."""
+        bf16 = precision == "bf16" or (precision == "auto" and spec.vendor != "cpu")
+        return cls(matmul_bytes=2 if bf16 else 4)
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.matmul_bytes == 2 else "fp32"
+
+    @property
+    def autocast_copies(self) -> bool:
+        """Autocast keeps a bf16 copy of each fp32 weight per microbatch in flight."""
+        return self.matmul_bytes < WEIGHT_BYTES
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a unit's costs depend on besides the model and the device."""
+    tp: int
+    micro_batch_size: int
+    seq_length: int
+    recompute: bool
+
+
+@dataclass
+class UnitCosts:
+    """Per-unit costs on one device type at one :class:`StageShape`.
+
+    Every array has one entry per model unit (embedding, layers, head) and is
+    per device of a stage, per microbatch where that applies.
+    """
+    forward_s: np.ndarray
+    # Includes the recomputed forward of a layer under full recomputation.
+    backward_s: np.ndarray
+    # Blocking TP all-reduces of a microbatch (forward, backward, recompute).
+    tp_comm_s: np.ndarray
+    # Megatron model FLOPs of forward + backward (recomputation not counted).
+    flops: np.ndarray
+    params: np.ndarray
+    # Kept from a unit's forward until its backward, per microbatch in flight.
+    activation_bytes: np.ndarray
+    # Working memory while the unit runs (freed afterwards).
+    transient_bytes: np.ndarray
+    # One activation (or gradient) message at a stage boundary, per device.
+    boundary_bytes: float
+    # "analytic" or "profile".
+    source: str
+
+    @property
+    def time_s(self) -> np.ndarray:
+        """Per-microbatch time a unit keeps its device busy (forward + backward)."""
+        return self.forward_s + self.backward_s + self.tp_comm_s
+
+
+# -- model arithmetic --------------------------------------------------------------
+
+def layer_params(model: ModelConfig) -> tuple[int, int]:
+    """(parameters split by TP, parameters every TP rank keeps) of one decoder layer."""
+    h, d = model.hidden_size, model.head_dim
+    qkv_out = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    split = h * qkv_out + model.num_attention_heads * d * h + 3 * h * model.ffn_hidden_size
+    if model.add_qkv_bias:
+        split += qkv_out
+    return split, 2 * h  # the two RMSNorm weights are replicated
+
+
+def unit_params(model: ModelConfig, tp: int = 1, head_shares_embedding: bool = False) -> np.ndarray:
+    """Parameters each device of a TP group holds, per unit.
+
+    With tied embeddings the head keeps its own copy of the embedding unless
+    embedding and head sit on the same stage (``head_shares_embedding``).
+    """
+    h, v = model.hidden_size, model.vocab_size
+    split, replicated = layer_params(model)
+    head = h + (0 if head_shares_embedding else v * h / tp)
+    return np.array([v * h / tp] + [split / tp + replicated] * model.num_layers + [head], dtype=float)
+
+
+def forward_flops(model: ModelConfig, micro_batch_size: int, seq_length: int) -> np.ndarray:
+    """Megatron model FLOPs of one microbatch's forward, per unit (whole TP group).
+
+    The per-unit split of megatron_model_flops: a layer is
+    4bs(had + hgd + 1.5hf) + 4bs^2ad (full, not causal-halved, attention), the
+    head 2bshV, the embedding lookup none. Forward + backward is 3x this.
+    """
+    b, s, h = micro_batch_size, seq_length, model.hidden_size
+    a, g, d, f = model.num_attention_heads, model.num_query_groups, model.head_dim, model.ffn_hidden_size
+    layer = 4.0 * b * s * (h * a * d + h * g * d + 1.5 * h * f) + 4.0 * b * s * s * a * d
+    head = 2.0 * b * s * h * model.vocab_size
+    return np.array([0.0] + [layer] * model.num_layers + [head])
+
+
+def _norm_bytes(h: int, prec: Precision) -> int:
+    """Per token, what an RMSNorm feeding a matmul keeps: its input, the normalised
+    tensor and the weighted output (fp32, as the residual stream), plus the bf16
+    cast the matmul saves under autocast."""
+    e, r = prec.matmul_bytes, prec.residual_bytes
+    return h * (3 * r + (e if e != r else 0))
+
+
+def layer_activation_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Precision) -> float:
+    """Bytes one decoder layer keeps for its backward (per microbatch, per device).
+
+    Counted tensor by tensor from the layer's autograd graph (the CPU profile
+    of tiny_llama measures it within 2%, the difference being the RoPE tables
+    that all layers of a stage share):
+    two RMSNorms (replicated over TP); attention keeps the fused qkv output,
+    the rotated q and k and the attention output (flash-style: no s x s
+    scores) plus its log-sum-exp; the SwiGLU keeps the gate/up output,
+    silu(gate) and the product feeding the down projection.
+    """
+    e = prec.matmul_bytes
+    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_query_groups,
+                     model.head_dim, model.ffn_hidden_size)
+    sharded = e * (3 * d * (a + g) + 4 * f) + 4 * a
+    return float(b * s * (2 * _norm_bytes(h, prec) + 8 + sharded / tp))
+
+
+def head_activation_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Precision) -> tuple[float, float]:
+    """(kept, transient) bytes of the head: the norm, the fp32 log-softmax of the
+    logits and the labels are kept for the backward; the bf16 and fp32 logits
+    and the log-softmax's gradient exist while the head runs."""
+    e = prec.matmul_bytes
+    v = model.vocab_size
+    kept = b * s * (_norm_bytes(model.hidden_size, prec) + 8 + 4.0 * v / tp)
+    transient = b * s * (e + 4.0 + 4.0) * v / tp
+    return float(kept), float(transient)
+
+
+# -- links ---------------------------------------------------------------------------
+
+def allreduce_s(nbytes, n: int, gbs: float, latency_us: float):
+    """Ring all-reduce of ``nbytes`` (a number or an array) over ``n`` ranks on
+    links of ``gbs`` GB/s per direction."""
+    if n <= 1:
+        return 0.0 * nbytes
+    return 2.0 * (n - 1) / n * nbytes / (gbs * 1e9) + 2.0 * (n - 1) * latency_us * 1e-6
+
+
+def nic_share_gbs(net: NetworkConfig, senders_per_node: int) -> float:
+    """Network bandwidth one device gets when ``senders_per_node`` devices of its node send at once."""
+    return net.nic_gbs * net.nics_per_node / max(1, senders_per_node)
+
+
+def message_s(nbytes: float, route: str, sender: DeviceSpec, receiver: DeviceSpec, net: NetworkConfig,
+              senders_per_node: int = 1, tcp_streams: int = 1) -> float:
+    """Time of one stage-boundary message of ``nbytes`` (per device).
+
+    route: ``intra_node`` (NVLink / Infinity Fabric, same vendor), ``network``
+    (the vendor library or the device-direct channel: GPU memory to GPU memory
+    through the NICs), or ``cpu_forwarding`` (device -> pinned host, TCP
+    striped over ``tcp_streams`` streams, pinned host -> device; the three
+    legs of a message run one after the other).
+    """
+    if route == "intra_node":
+        return nbytes / (min(sender.intra_node_link_gbs, receiver.intra_node_link_gbs) / 2 * 1e9) \
+            + net.intra_node_latency_us * 1e-6
+    share = nic_share_gbs(net, senders_per_node)
+    if route == "network":
+        return nbytes / (share * 1e9) + net.latency_us * 1e-6
+    if route == "cpu_forwarding":
+        wire = min(share, tcp_streams * net.tcp_stream_gbs)
+        return (nbytes / (sender.host_link_gbs * 1e9) + nbytes / (wire * 1e9)
+                + nbytes / (receiver.host_link_gbs * 1e9)
+                + (net.latency_us + net.cpu_forwarding_latency_us) * 1e-6)
+    raise ValueError(f"unknown route {route!r}")
+
+
+def static_bytes_per_param(dp: int, distributed_optimizer: bool) -> float:
+    """Weights + gradients + Adam state per parameter (Adam state sharded over DP on request)."""
+    return WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES / (dp if distributed_optimizer else 1)
+
+
+def grad_sync_s(params, dp: int, gbs: float, latency_us: float, spec: DeviceSpec,
+                distributed_optimizer: bool):
+    """DP gradient all-reduce (or reduce-scatter + all-gather: the same bytes) of a
+    stage's fp32 gradients, plus the AdamW step that follows it (``params`` a
+    number or an array)."""
+    sync = allreduce_s(params * GRAD_BYTES, dp, gbs, latency_us)
+    shard = dp if distributed_optimizer else 1
+    return sync + params / shard * ADAM_STEP_BYTES / (spec.memory_bandwidth_tbs * 1e12)
+
+
+# -- per-unit costs --------------------------------------------------------------------
+
+def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Precision,
+               net: NetworkConfig, efficiency: Optional[float] = None,
+               profile: Optional[dict] = None, head_shares_embedding: bool = False) -> UnitCosts:
+    """Costs of every unit on ``spec`` at ``shape``: measured (``profile``, one
+    entry of a profile file for this device) where given, analytic otherwise."""
+    tp, b, s = shape.tp, shape.micro_batch_size, shape.seq_length
+    h, v, num_layers = model.hidden_size, model.vocab_size, model.num_layers
+    e, r = prec.matmul_bytes, prec.residual_bytes
+    layers = slice(1, num_layers + 1)
+    params = unit_params(model, tp, head_shares_embedding)
+    flops_fwd = forward_flops(model, b, s) / tp
+    rate = spec.peak_bf16_tflops * 1e12 * (efficiency if efficiency is not None else spec.efficiency)
+    bandwidth = spec.memory_bandwidth_tbs * 1e12
+
+    # Compute. The embedding is memory-bound: gather rows, then scatter-add its
+    # gradient into a dense fp32 table.
+    fwd = flops_fwd / rate
+    bwd = 2.0 * flops_fwd / rate
+    fwd[0] = 2.0 * b * s * h * r / bandwidth
+    bwd[0] = (b * s * h * r + 2.0 * v * h / tp * GRAD_BYTES) / bandwidth
+
+    act, transient = _analytic_memory(model, b, s, tp, prec, params)
+    source = "analytic"
+    if profile is not None:
+        scale = b / profile["micro_batch_size"]
+        fwd, bwd = _measured_times(profile, model, scale, tp)
+        # The analytic model says how TP divides a unit's saved tensors; the
+        # measurement (at TP 1) says how many bytes there are.
+        act_tp1 = _analytic_memory(model, b, s, 1, prec, unit_params(model, 1, head_shares_embedding))[0]
+        act, transient = _measured_memory(profile, model, scale, act / act_tp1, transient)
+        source = "profile"
+
+    if shape.recompute:
+        # Full recomputation: a layer keeps only its input and rebuilds the rest
+        # (with its weight copies) during its backward.
+        transient[layers] = np.maximum(transient[layers], act[layers])
+        act[layers] = b * s * h * r
+        bwd[layers] += fwd[layers]
+
+    tp_comm = np.zeros(model.num_units)
+    if tp > 1:
+        link, lat = spec.intra_node_link_gbs / 2, net.intra_node_latency_us
+
+        def ar(nbytes: float) -> float:
+            return allreduce_s(nbytes, tp, link, lat)
+        # Megatron TP: two all-reduces per layer forward, two backward, two
+        # more when the forward is recomputed; vocab-parallel embedding and
+        # cross-entropy add one each way.
+        per_layer = (4 + (2 if shape.recompute else 0)) * ar(b * s * h * e)
+        tp_comm[layers] = per_layer
+        tp_comm[0] = ar(b * s * h * r)
+        tp_comm[-1] = ar(b * s * h * e) + 3 * ar(b * s * 4.0)
+
+    return UnitCosts(forward_s=fwd, backward_s=bwd, tp_comm_s=tp_comm, flops=3.0 * flops_fwd, params=params,
+                     activation_bytes=act, transient_bytes=transient,
+                     boundary_bytes=float(b * s * h * r / tp), source=source)
+
+
+def _analytic_memory(model: ModelConfig, b: int, s: int, tp: int, prec: Precision,
+                     params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kept per microbatch in flight, transient) bytes per unit, without recomputation."""
+    h, r, e = model.hidden_size, prec.residual_bytes, prec.matmul_bytes
+    copies = params * e if prec.autocast_copies else np.zeros_like(params)
+    copies[0] = 0.0  # the embedding lookup is not autocast
+    head_kept, head_transient = head_activation_bytes(model, b, s, tp, prec)
+    layer = layer_activation_bytes(model, b, s, tp, prec) + copies[1]
+    act = np.array([8.0 * b * s] + [layer] * model.num_layers + [head_kept + copies[-1]])
+    # A layer's backward briefly holds gradients of its widest intermediates.
+    layer_transient = b * s * (2 * model.ffn_hidden_size * e / tp + 2 * h * r)
+    transient = np.array([b * s * h * r] + [layer_transient] * model.num_layers + [head_transient])
+    return act, transient
+
+
+def _profile_kinds(model: ModelConfig) -> list[str]:
+    return ["embedding"] + ["layer"] * model.num_layers + ["head"]
+
+
+def _measured_times(profile: dict, model: ModelConfig, scale: float, tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """A profile's forward and backward times, scaled to the microbatch's tokens
+    (exact when the profile used the training microbatch size) and split over TP."""
+    units = profile["units"]
+    kinds = _profile_kinds(model)
+    fwd = np.array([units[k]["forward_s"] for k in kinds]) * scale / tp
+    bwd = np.array([units[k]["backward_s"] for k in kinds]) * scale / tp
+    return fwd, bwd
+
+
+def _measured_memory(profile: dict, model: ModelConfig, scale: float, tp_share: np.ndarray,
+                     analytic_transient: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A profile's kept activation bytes and, where it measured a peak (GPUs),
+    the transient bytes above them, at this shape."""
+    units = profile["units"]
+    act, transient = [], []
+    for u, kind in enumerate(_profile_kinds(model)):
+        m = units[kind]
+        act.append(m["activation_bytes"] * scale * tp_share[u])
+        peak = m.get("peak_bytes")
+        if peak is None:
+            transient.append(analytic_transient[u])
+        else:
+            transient.append(max(0.0, peak - m["activation_bytes"]) * scale * tp_share[u])
+    return np.array(act), np.array(transient)

@@ -1,0 +1,185 @@
+"""Measured per-unit costs: ``python -m hetpipe.plan profile`` and the files it writes.
+
+Analytic costs rest on an assumed efficiency; a profile replaces them with what
+the local device does. For the configured model shapes, microbatch size and
+sequence length it runs the embedding, one decoder layer and the head - the
+very modules ``pretrain`` builds, at TP 1, in the trainer's precision - and
+records per unit the forward and backward time (median of several runs after
+warm-up), the bytes autograd keeps between forward and backward (counted
+through saved-tensor hooks, so it works on CPUs too) and, on GPUs, the peak
+memory above the memory held before the forward (weights and gradient
+buffers). The JSON file is keyed by device type, so one file can
+collect a profile per node type (run the command once on each):
+
+    {"format": "hetpipe-profile/1",
+     "devices": {"H200": [{"shape": {...}, "micro_batch_size": 1, "units": {
+         "embedding": {"forward_s": ..., "backward_s": ..., "activation_bytes": ...,
+                       "peak_bytes": ...}, "layer": {...}, "head": {...}}}]}}
+
+The planner uses an entry whose ``shape`` (model dimensions, sequence length,
+precision) matches the plan's; times and bytes scale with the microbatch size.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from hetpipe.errors import ConfigError
+from hetpipe.models.config import ModelConfig
+
+PROFILE_FORMAT = "hetpipe-profile/1"
+UNIT_KINDS = ("embedding", "layer", "head")
+
+
+def profile_shape(model: ModelConfig, seq_length: int, precision: str) -> dict[str, Any]:
+    """What a measurement depends on besides the microbatch size (the layer count does not matter)."""
+    return {"hidden_size": model.hidden_size, "ffn_hidden_size": model.ffn_hidden_size,
+            "num_attention_heads": model.num_attention_heads, "num_query_groups": model.num_query_groups,
+            "head_dim": model.head_dim, "vocab_size": model.vocab_size,
+            "add_qkv_bias": model.add_qkv_bias, "seq_length": seq_length, "precision": precision}
+
+
+def load_profile(path: str | Path) -> dict[str, list[dict]]:
+    """The ``devices`` table of a profile file: device type -> list of entries."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"profile file {p} not found (make one with `python -m hetpipe.plan profile ...`)")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"profile file {p} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ConfigError(f"profile file {p} is not a {PROFILE_FORMAT} file")
+    devices = data.get("devices", {})
+    for device, entries in devices.items():
+        for entry in entries:
+            missing = [k for k in UNIT_KINDS if k not in entry.get("units", {})]
+            if missing or "shape" not in entry or "micro_batch_size" not in entry:
+                raise ConfigError(f"profile file {p}: an entry for {device} lacks "
+                                  f"{missing or ['shape/micro_batch_size']}")
+    return devices
+
+
+def find_entry(devices: dict[str, list[dict]], device_type: str, shape: dict[str, Any],
+               micro_batch_size: int) -> Optional[dict]:
+    """The entry measured on ``device_type`` at ``shape``; one at the same
+    microbatch size is preferred (no scaling needed)."""
+    entries = [e for key, es in devices.items() if key.lower() == device_type.lower() for e in es
+               if e["shape"] == shape]
+    exact = [e for e in entries if e["micro_batch_size"] == micro_batch_size]
+    return (exact or entries or [None])[0]
+
+
+def save_entry(path: str | Path, device_type: str, entry: dict) -> None:
+    """Add ``entry`` to the profile file (created if missing), replacing an
+    entry of the same device, shape and microbatch size."""
+    p = Path(path)
+    data = {"format": PROFILE_FORMAT, "devices": {}}
+    if p.is_file():
+        load_profile(p)  # refuse to overwrite something that is not a profile
+        data = json.loads(p.read_text())
+    entries = data["devices"].setdefault(device_type, [])
+    entries[:] = [e for e in entries if (e["shape"], e["micro_batch_size"])
+                  != (entry["shape"], entry["micro_batch_size"])]
+    entries.append(entry)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, precision: str = "auto",
+                  repeats: int = 5, warmup: int = 2, seed: int = 1234) -> tuple[str, dict]:
+    """Profile embedding, one decoder layer and the head on the local device.
+
+    Returns (device name as the runtime reports it, profile entry).
+    """
+    import torch
+
+    from hetpipe.comm.vendor import accelerator_name
+    from hetpipe.models import build_model
+
+    if repeats < 1 or warmup < 1:
+        # The first run allocates the gradient buffers; it is never measured.
+        raise ConfigError("profiling needs repeats >= 1 and warmup >= 1")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if bf16 and device.type == "cpu":
+        raise ConfigError("bf16 profiles need a GPU (the trainer runs CPUs in fp32)")
+    b, s, h, L = micro_batch_size, seq_length, model.hidden_size, model.num_layers
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def tokens() -> torch.Tensor:
+        return torch.randint(0, model.vocab_size, (b, s), generator=gen).to(device)
+
+    def hidden() -> torch.Tensor:
+        return torch.randn(b, s, h, generator=gen).to(device).requires_grad_(True)
+
+    cases = {
+        "embedding": ((0, 1), lambda: (tokens(),)),
+        "layer": ((1, 2), lambda: (hidden(),)),
+        "head": ((L + 1, L + 2), lambda: (hidden(), tokens())),
+    }
+    units = {}
+    for kind, (span, make_inputs) in cases.items():
+        module = build_model(model, seed=seed, units=span, device=device)
+        units[kind] = _measure(module, make_inputs, device, bf16, repeats, warmup)
+        del module
+    entry = {"shape": profile_shape(model, seq_length, "bf16" if bf16 else "fp32"),
+             "micro_batch_size": micro_batch_size, "device_name": accelerator_name(),
+             "torch": torch.__version__, "repeats": repeats, "units": units}
+    return accelerator_name(), entry
+
+
+def _measure(module, make_inputs, device, bf16: bool, repeats: int, warmup: int) -> dict:
+    import torch
+
+    cuda = device.type == "cuda"
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    forward, backward, kept, peaks = [], [], 0, []
+    for step in range(warmup + repeats):
+        inputs = make_inputs()
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            # Count each storage once; parameters are not activations (autocast's
+            # bf16 copies of them are: they live until the backward).
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(*inputs)
+        sync()
+        middle = time.perf_counter()
+        if out.dim() == 0:
+            out.backward()
+        else:
+            out.backward(torch.ones_like(out))
+        sync()
+        end = time.perf_counter()
+        if step >= warmup:
+            forward.append(middle - start)
+            backward.append(end - middle)
+            kept = sum(saved.values())
+            if cuda:
+                peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        del out, inputs
+        # Keep the gradient buffers allocated (as in training) but zeroed.
+        module.zero_grad(set_to_none=False)
+    return {"forward_s": statistics.median(forward), "backward_s": statistics.median(backward),
+            "activation_bytes": kept, "peak_bytes": max(peaks) if peaks else None}

@@ -1,0 +1,99 @@
+"""`python -m hetpipe.plan` as a user runs it: the table, plan.yaml, sweeps, errors, profiles."""
+import json
+
+import yaml
+
+from conftest import run_cli
+from hetpipe.partitioner.plan import Plan
+
+PAPER = ["+model=llama8b", "cluster=h200_mi325x_2node", "train.seq_length=4096", "train.micro_batch_size=1",
+         "train.global_batch_size=128"]
+TINY = ["+model=tiny_llama", "cluster=cpu_mixed", "train.seq_length=64", "train.micro_batch_size=2",
+        "train.global_batch_size=8"]
+
+
+def test_plan_prints_the_table_and_writes_a_loadable_plan(tmp_path):
+    proc = run_cli(["-m", "hetpipe.plan", *PAPER, f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for column in ("stage", "group", "device", "ranks", "TPxDP", "layers", "compute", "comm", "bubble",
+                   "memory/device", "TFLOP/s/GPU"):
+        assert column in out
+    assert "H200" in out and "MI325X" in out and "predicted step" in out
+    plan = Plan.load(tmp_path / "plan.yaml")
+    plan.check_model(32)
+    assert {s.group for s in plan.stages} == {"nvidia", "amd"}
+    assert sorted(r for s in plan.stages for r in s.ranks) == list(range(16))
+    assert plan.notes["predicted_step_s"] > 0 and plan.notes["predicted_tflops_per_gpu"] > 0
+    # Deterministic: the same command writes the same plan.
+    again = run_cli(["-m", "hetpipe.plan", *PAPER, f"hydra.run.dir={tmp_path / 'again'}"], timeout=120)
+    assert (tmp_path / "again" / "plan.yaml").read_text() == (tmp_path / "plan.yaml").read_text(), again.stderr
+
+
+def test_explicit_split_and_constraints_from_the_command_line(tmp_path):
+    proc = run_cli(["-m", "hetpipe.plan", *PAPER, "partition.layers=[15,17]", "planner.tp=1", "planner.dp=8",
+                    "planner.group_order=[nvidia,amd]", f"output={tmp_path / 'paper.yaml'}",
+                    f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(tmp_path / "paper.yaml")
+    assert [(s.group, s.layers, s.tp, s.dp) for s in plan.stages] == [("nvidia", 15, 1, 8), ("amd", 17, 1, 8)]
+
+
+def test_multirun_sweeps_clusters_and_splits(tmp_path):
+    proc = run_cli(["-m", "hetpipe.plan", "-m", *TINY, "cluster=cpu_mixed,cpu_homogeneous",
+                    f"hydra.sweep.dir={tmp_path}"], timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    plans = sorted(tmp_path.glob("*/plan.yaml"))
+    assert len(plans) == 2
+    groups = [{s.group for s in Plan.load(p).stages} for p in plans]
+    assert {"nvidia", "amd"} in groups and {"nvidia"} in groups
+    splits = tmp_path / "splits"
+    proc = run_cli(["-m", "hetpipe.plan", "-m", "+model=tiny_llama,tiny_qwen2", *TINY[1:],
+                    "partition.layers=[1,3],[2,2]", f"hydra.sweep.dir={splits}"], timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    layers = sorted([s.layers for s in Plan.load(p).stages] for p in splits.glob("*/plan.yaml"))
+    assert layers == [[1, 3], [1, 3], [2, 2], [2, 2]]
+    assert "tiny_qwen2" in proc.stdout and "tiny_llama" in proc.stdout
+
+
+def test_bad_input_is_one_line_with_the_shortfall(tmp_path):
+    cases = [
+        (["+planner.catalog.H200={memory_gib: 8}", "+planner.catalog.MI325X={memory_gib: 8}"],
+         "llama8b does not fit on cluster 'h200_mi325x_2node' under any plan"),
+        (["cluster.groups.1.device_type=MI999"], "unknown device type 'MI999'"),
+        (["planner.tp=5"], "planner.tp=5 does not divide model.num_attention_heads=32"),
+    ]
+    for extra, message in cases:
+        proc = run_cli(["-m", "hetpipe.plan", *PAPER, *extra, f"hydra.run.dir={tmp_path}"], timeout=120)
+        assert proc.returncode == 2, proc.stdout
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hetpipe: error: ") and message in lines[0], proc.stderr
+    proc = run_cli(["-m", "hetpipe.plan", f"hydra.run.dir={tmp_path}"], timeout=60)
+    assert proc.returncode == 2 and "no model chosen: add +model=NAME" in proc.stderr
+    assert "short by" in run_cli(["-m", "hetpipe.plan", *PAPER, *cases[0][0],
+                                  f"hydra.run.dir={tmp_path}"], timeout=120).stderr
+
+
+def test_profile_on_cpu_feeds_the_planner(tmp_path):
+    profile = tmp_path / "profile.json"
+    proc = run_cli(["-m", "hetpipe.plan", "profile", *TINY, "profiling.repeats=2", "profiling.warmup=1",
+                    f"profiling.output={profile}", f"hydra.run.dir={tmp_path / 'p'}"], timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(profile.read_text())
+    entry = data["devices"]["CPU"][0]
+    assert entry["shape"]["seq_length"] == 64 and entry["micro_batch_size"] == 2
+    for kind in ("embedding", "layer", "head"):
+        unit = entry["units"][kind]
+        assert unit["forward_s"] > 0 and unit["backward_s"] > 0 and unit["activation_bytes"] > 0
+    assert "layer" in proc.stdout and "forward" in proc.stdout
+
+    analytic = run_cli(["-m", "hetpipe.plan", *TINY, f"hydra.run.dir={tmp_path / 'a'}"], timeout=120)
+    measured = run_cli(["-m", "hetpipe.plan", *TINY, f"planner.profile={profile}",
+                        f"hydra.run.dir={tmp_path / 'm'}"], timeout=120)
+    assert analytic.returncode == 0 and measured.returncode == 0, measured.stderr
+    a = yaml.safe_load((tmp_path / "a" / "plan.yaml").read_text())["notes"]
+    m = yaml.safe_load((tmp_path / "m" / "plan.yaml").read_text())["notes"]
+    assert a["cost_source"] == {"nvidia": "analytic", "amd": "analytic"}
+    assert m["cost_source"] == {"nvidia": "profile", "amd": "profile"}
+    assert m["predicted_step_s"] != a["predicted_step_s"]
+    assert "nvidia profile" in measured.stdout

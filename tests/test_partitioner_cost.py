@@ -1,0 +1,86 @@
+"""The device catalog and the per-unit cost and memory model."""
+import pytest
+
+from hetpipe.errors import ConfigError
+from hetpipe.models import model_preset
+from hetpipe.models.flops import megatron_model_flops
+from hetpipe.partitioner.catalog import CATALOG, catalog_with, detect_device_type, device_spec
+from hetpipe.partitioner.cost import (GIB, NetworkConfig, Precision, StageShape, allreduce_s, forward_flops,
+                                      message_s, static_bytes_per_param, unit_costs, unit_params)
+
+
+def test_catalog_has_the_issue_devices_and_takes_overrides():
+    for name in ("H100", "H200", "A100", "MI250X", "MI300X", "MI325X", "CPU"):
+        spec = device_spec(name.lower())
+        assert spec.peak_bf16_tflops > 0 and spec.memory_gib > 0 and spec.intra_node_link_gbs > 0
+    assert device_spec("MI325X").vendor == "amd" and device_spec("H200").vendor == "nvidia"
+    assert detect_device_type("AMD Instinct MI325X") == "MI325X"
+    assert detect_device_type("NVIDIA H200") == "H200"
+
+    catalog = catalog_with({"h200": {"efficiency": 0.7},
+                            "B200": {"vendor": "nvidia", "peak_bf16_tflops": 2250.0, "memory_gib": 180.0,
+                                     "memory_bandwidth_tbs": 8.0, "intra_node_link_gbs": 1800.0}})
+    assert catalog["H200"].efficiency == 0.7 and CATALOG["H200"].efficiency != 0.7  # a copy
+    assert device_spec("b200", catalog).peak_bf16_tflops == 2250.0
+    assert detect_device_type("NVIDIA B200", catalog) == "B200"
+    with pytest.raises(ConfigError, match="unknown field"):
+        catalog_with({"H200": {"tflops": 1.0}})
+    with pytest.raises(ConfigError, match="new device and needs .*memory_gib"):
+        catalog_with({"X1": {"vendor": "amd", "peak_bf16_tflops": 1.0}})
+    with pytest.raises(ConfigError, match="unknown device type 'B300'"):
+        device_spec("B300")
+
+
+@pytest.mark.parametrize("name", ["llama8b", "qwen2_7b", "tiny_llama", "tiny_qwen2"])
+def test_unit_flops_and_params_add_up_to_the_model(name):
+    model = model_preset(name)
+    assert 3 * forward_flops(model, 2, 512).sum() == pytest.approx(megatron_model_flops(model, 2, 512), rel=1e-12)
+    alone = model.share_embeddings_and_output_weights
+    assert unit_params(model, 1, head_shares_embedding=alone).sum() == model.num_parameters()
+
+
+def test_llama8b_head_weighs_about_two_layers_and_tp_divides_work():
+    model = model_preset("llama8b")
+    h200 = CATALOG["H200"]
+    uc = unit_costs(model, h200, StageShape(1, 1, 8192, False), Precision.for_device(h200), NetworkConfig())
+    assert 1.5 < uc.time_s[-1] / uc.time_s[1] < 2.5
+    tp4 = unit_costs(model, h200, StageShape(4, 1, 8192, False), Precision.for_device(h200), NetworkConfig())
+    assert tp4.forward_s[1] == pytest.approx(uc.forward_s[1] / 4)
+    assert tp4.tp_comm_s[1] > 0 and uc.tp_comm_s[1] == 0
+    # The norms' tensors stay whole on every TP rank.
+    assert uc.activation_bytes[1] / 4 < tp4.activation_bytes[1] < uc.activation_bytes[1] * 0.75
+    # Recompute keeps only the layer input and pays one more forward.
+    rc = unit_costs(model, h200, StageShape(1, 1, 8192, True), Precision.for_device(h200), NetworkConfig())
+    assert rc.activation_bytes[1] == 1 * 8192 * 4096 * 4
+    assert rc.backward_s[1] == pytest.approx(uc.backward_s[1] + uc.forward_s[1])
+    assert rc.transient_bytes[1] >= uc.activation_bytes[1]
+
+
+def test_memory_and_link_arithmetic():
+    assert static_bytes_per_param(8, False) == 16
+    assert static_bytes_per_param(8, True) == 4 + 4 + 1
+    # Ring all-reduce: 2 (n-1)/n of the bytes through each link.
+    assert allreduce_s(1e9, 4, 100.0, 0.0) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9)
+    assert allreduce_s(1e9, 1, 100.0, 5.0) == 0
+    net = NetworkConfig(nic_gbs=50.0, nics_per_node=8, latency_us=0.0, tcp_stream_gbs=2.0,
+                        cpu_forwarding_latency_us=0.0)
+    h200, mi = CATALOG["H200"], CATALOG["MI325X"]
+    direct = message_s(1e9, "network", h200, mi, net, senders_per_node=8)
+    assert direct == pytest.approx(1e9 / 50e9)
+    # CPU-forwarding: two PCIe copies plus TCP over 4 streams.
+    forwarded = message_s(1e9, "cpu_forwarding", h200, mi, net, senders_per_node=8, tcp_streams=4)
+    assert forwarded == pytest.approx(1e9 / 64e9 + 1e9 / 8e9 + 1e9 / 64e9)
+    assert message_s(1e9, "intra_node", h200, h200, net) < direct
+
+
+def test_precision_follows_the_trainer():
+    assert Precision.for_device(CATALOG["CPU"]).name == "fp32"
+    assert Precision.for_device(CATALOG["H200"]).name == "bf16"
+    assert Precision.for_device(CATALOG["H200"], "fp32").name == "fp32"
+    model = model_preset("llama8b")
+    h200 = CATALOG["H200"]
+    bf16 = unit_costs(model, h200, StageShape(1, 1, 4096, False), Precision.for_device(h200), NetworkConfig())
+    fp32 = unit_costs(model, h200, StageShape(1, 1, 4096, False), Precision(4), NetworkConfig())
+    # Autocast keeps a bf16 copy of a layer's weights per microbatch in flight.
+    assert bf16.activation_bytes[1] > 2 * bf16.params[1] > 0.4 * GIB
+    assert fp32.activation_bytes[1] > bf16.activation_bytes[1] - 2 * bf16.params[1]

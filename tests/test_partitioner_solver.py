@@ -1,0 +1,223 @@
+"""The plan solver: optimal over all candidates, inside every device's memory, deterministic, clear when nothing fits."""
+import json
+
+import numpy as np
+import pytest
+
+from hetpipe.cluster import ClusterConfig, GroupConfig, TransportConfig
+from hetpipe.config import TrainConfig
+from hetpipe.errors import ConfigError
+from hetpipe.models import model_preset
+from hetpipe.partitioner import solver
+from hetpipe.partitioner.cost import GIB, NetworkConfig, StageShape, static_bytes_per_param, unit_costs
+from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.profile import PROFILE_FORMAT, profile_shape
+from hetpipe.partitioner.solver import PlannerConfig, best_split, plan_for, solve
+
+
+def paper_cluster(**transport) -> ClusterConfig:
+    """The seed paper's cluster: one node of 8 H200, one of 8 MI325X."""
+    return ClusterConfig(name="h200_mi325x_2node", groups=[
+        GroupConfig(name="nvidia", vendor="nvidia", device_type="H200", nodes=1, ranks_per_node=8),
+        GroupConfig(name="amd", vendor="amd", device_type="MI325X", nodes=1, ranks_per_node=8)],
+        transport=TransportConfig(**transport))
+
+
+def exhaustive(model, cluster, train, planner):
+    """Solve every candidate the solver enumerates, without pruning; also check each bound."""
+    ctx = solver._Context(model, cluster, train, planner)
+    best = None
+    for block in solver._enumerate(ctx, None):
+        for row in range(len(block.stages)):
+            cand = block.candidate(row)
+            time, sync, feasible, _, _, links = ctx.problem(cand)
+            split = best_split(time, sync, feasible, cand.num_microbatches, links)
+            if split is None:
+                continue
+            assert block.lower_bounds[row] <= split.step_s * (1 + 1e-12)  # the bound is a bound
+            best = split.step_s if best is None else min(best, split.step_s)
+    return best
+
+
+def test_search_equals_exhaustive_enumeration_on_random_clusters():
+    rng = np.random.default_rng(5)
+    devices = ["H100", "H200", "A100", "MI250X", "MI300X", "MI325X"]
+    checked = 0
+    for _ in range(20):
+        groups = []
+        for g in range(int(rng.integers(2, 4))):
+            groups.append(GroupConfig(name=f"g{g}", vendor="nvidia", device_type=str(rng.choice(devices)),
+                                      nodes=int(rng.integers(1, 3)), ranks_per_node=int(rng.choice([1, 2, 4]))))
+        cluster = ClusterConfig(name="random", groups=groups)
+        model = model_preset("llama8b", num_layers=int(rng.integers(3, 8)))
+        train = TrainConfig(micro_batch_size=1, global_batch_size=int(rng.choice([4, 8, 16])),
+                            seq_length=int(rng.choice([2048, 8192])))
+        # Small memories make many candidates infeasible, so memory shapes the answer.
+        catalog = {d: {"memory_gib": float(rng.uniform(12, 60))} for d in devices}
+        planner = PlannerConfig(catalog=catalog, micro_batch_sizes=[1, 2],
+                                distributed_optimizer=bool(rng.integers(0, 2)))
+        expected = exhaustive(model, cluster, train, planner)
+        if expected is None:
+            with pytest.raises(ConfigError, match="short by"):
+                solve(model, cluster, train, planner)
+            continue
+        got = solve(model, cluster, train, planner)
+        assert got.step_s == pytest.approx(expected, rel=1e-12)
+        checked += 1
+    assert checked >= 10
+
+
+def _stage_memory_bytes(solution, planner, train):
+    """Each stage's memory per device, recomputed from the cost model's per-unit numbers."""
+    cand, P = solution.candidate, len(solution.stages)
+    out = []
+    for k, st in enumerate(solution.stages):
+        g = [grp.name for grp in solution.cluster.groups].index(st.group)
+        spec = solver.device_spec(solution.cluster.groups[g].device_type)
+        uc = unit_costs(solution.model, spec, StageShape(st.tp, cand.micro_batch_size, train.seq_length,
+                                                         cand.recompute),
+                        solver.cost.Precision.for_device(spec), planner.network)
+        i, j = st.units
+        static = uc.params[i:j].sum() * static_bytes_per_param(st.dp, planner.distributed_optimizer) \
+            + 4 * uc.boundary_bytes
+        inflight = min(P - k, cand.num_microbatches)
+        out.append((static + inflight * uc.activation_bytes[i:j].sum() + uc.transient_bytes[i:j].max(),
+                    spec.memory_gib * GIB * planner.memory_headroom))
+    return out
+
+
+def test_returned_plan_fits_memory_and_memory_moves_the_split():
+    model = model_preset("llama8b")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=64, seq_length=8192)
+    fixed = dict(tp=1, dp=8, stages=[1, 1], group_order=["nvidia", "amd"], recompute=False)
+    roomy = solve(model, paper_cluster(), train, PlannerConfig(**fixed))
+    for need, have in _stage_memory_bytes(roomy, PlannerConfig(**fixed), train):
+        assert need <= have
+    for st in roomy.stages:
+        assert st.memory_gib <= st.usable_gib
+    # Shrink the H200 below what its stage needed: the H200 stage must give layers away.
+    tight_gib = roomy.stages[0].memory_gib / 0.9 * 0.93
+    tight = PlannerConfig(**fixed, catalog={"H200": {"memory_gib": tight_gib}})
+    squeezed = solve(model, paper_cluster(), train, tight)
+    assert squeezed.stages[0].layers < roomy.stages[0].layers
+    assert squeezed.step_s >= roomy.step_s
+    for need, have in _stage_memory_bytes(squeezed, tight, train):
+        assert need <= have
+
+
+def test_same_inputs_same_plan_and_ranks_are_consistent():
+    model = model_preset("qwen2_7b")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=128, seq_length=4096)
+    plans = [plan_for(model, paper_cluster(), train) for _ in range(3)]
+    assert plans[0].to_yaml() == plans[1].to_yaml() == plans[2].to_yaml()
+    plan = plans[0]
+    assert Plan.from_dict(__import__("yaml").safe_load(plan.to_yaml())) == plan
+    cluster = paper_cluster()
+    seen = set()
+    for st in plan.stages:
+        group = [g.name for g in cluster.groups].index(st.group)
+        assert len(st.ranks) == st.tp * st.dp and set(st.ranks) <= set(cluster.group_ranks(group))
+        assert not seen & set(st.ranks)
+        seen |= set(st.ranks)
+    assert len({st.dp for st in plan.stages}) == 1  # Megatron: one DP degree
+    assert plan.num_layers == model.num_layers
+    assert plan.notes["num_microbatches"] * plan.notes["micro_batch_size"] * plan.stages[0].dp == 128
+
+
+def test_pipeline_order_is_chosen_and_noted():
+    model = model_preset("llama8b")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=128, seq_length=4096)
+    # With a 100 GiB H200 the first stage (two microbatches in flight) belongs on
+    # the roomy MI325X: NVIDIA first would have to give away four layers.
+    small_h200 = {"H200": {"memory_gib": 100.0}}
+    solution = solve(model, paper_cluster(), train, PlannerConfig(tp=1, dp=8, stages=[1, 1], catalog=small_h200))
+    plan = solution.to_plan()
+    assert solution.group_order == ["amd", "nvidia"] == plan.notes["group_order"]
+    assert "reordered" in plan.notes
+    assert plan.stages[0].group == "amd" and plan.stages[0].ranks == list(range(8, 16))
+    assert plan.stages[1].ranks == list(range(8))
+    fixed = solve(model, paper_cluster(), train, PlannerConfig(tp=1, dp=8, stages=[1, 1], catalog=small_h200,
+                                                              group_order=["nvidia", "amd"]))
+    assert fixed.group_order == ["nvidia", "amd"] and "reordered" not in fixed.to_plan().notes
+    assert fixed.stages[0].layers < solution.stages[1].layers and fixed.step_s > solution.step_s
+
+
+def test_explicit_split_is_predicted_not_searched():
+    model = model_preset("llama8b")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=128, seq_length=4096)
+    planner = PlannerConfig(tp=1, dp=8, group_order=["nvidia", "amd"])
+    best = solve(model, paper_cluster(), train, planner)
+    paper = solve(model, paper_cluster(), train, planner, layers=[15, 17])
+    assert [s.layers for s in paper.stages] == [15, 17]
+    assert paper.step_s >= best.step_s
+    with pytest.raises(ConfigError, match="plan splits 20 layers"):
+        solve(model, paper_cluster(), train, planner, layers=[10, 10])
+    with pytest.raises(ConfigError, match="cannot cover the cluster's 2 groups"):
+        solve(model, paper_cluster(), train, planner, layers=[32])
+
+
+def test_bad_input_says_what_does_not_fit_and_by_how_much():
+    model = model_preset("llama8b")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=8, seq_length=8192)
+    small = ClusterConfig(name="small", groups=[
+        GroupConfig(name="nvidia", vendor="nvidia", device_type="H100", ranks_per_node=1),
+        GroupConfig(name="amd", vendor="amd", device_type="MI250X", ranks_per_node=1)])
+    tiny_mem = PlannerConfig(catalog={"MI250X": {"memory_gib": 32.0}})
+    with pytest.raises(ConfigError) as err:
+        solve(model, small, train, tiny_mem)
+    message = str(err.value)
+    assert message.startswith("llama8b does not fit on cluster 'small' under any plan")
+    assert "GiB usable" in message and "short by" in message
+    short = float(message.split("short by ")[1].split(" GiB")[0])
+    assert short > 0
+
+    with pytest.raises(ConfigError, match="unknown device type 'B300'"):
+        solve(model, ClusterConfig(name="x", groups=[GroupConfig(name="n", device_type="B300")]), train)
+    with pytest.raises(ConfigError, match=r"planner.tp=3 does not divide model.num_attention_heads=32 .*"
+                                          r"32 = 10 x 3 \+ 2"):
+        solve(model, paper_cluster(), train, PlannerConfig(tp=3))
+    with pytest.raises(ConfigError, match="planner.tp=8 does not fit group 'amd'"):
+        cluster = paper_cluster()
+        cluster.groups[1].ranks_per_node = 4
+        solve(model, cluster, train, PlannerConfig(tp=8))
+    with pytest.raises(ConfigError, match="planner.dp=3 does not divide"):
+        solve(model, paper_cluster(), train, PlannerConfig(dp=3))
+
+
+def test_a_profile_replaces_the_analytic_costs(tmp_path):
+    model = model_preset("tiny_llama")
+    train = TrainConfig(micro_batch_size=2, global_batch_size=8, seq_length=64)
+    cluster = ClusterConfig(name="cpu_mixed", emulate=True, groups=[
+        GroupConfig(name="nvidia", vendor="nvidia", device_type="CPU"),
+        GroupConfig(name="amd", vendor="amd", device_type="CPU")])
+    analytic = solve(model, cluster, train)
+    unit = {"forward_s": 0.01, "backward_s": 0.02, "activation_bytes": 1000, "peak_bytes": None}
+    entry = {"shape": profile_shape(model, 64, "fp32"), "micro_batch_size": 1,
+             "units": {"embedding": unit, "layer": unit, "head": unit}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "devices": {"CPU": [entry]}}))
+    measured = solve(model, cluster, train, PlannerConfig(profile=str(path)))
+    assert measured.cost_source == {"nvidia": "profile", "amd": "profile"}
+    assert analytic.cost_source == {"nvidia": "analytic", "amd": "analytic"}
+    # Per unit 0.03 s at microbatch 1, scaled to microbatch 2, times 4 microbatches.
+    for st in measured.stages:
+        units = st.units[1] - st.units[0]
+        assert st.compute_s == pytest.approx(4 * units * 0.06)
+    assert measured.step_s != pytest.approx(analytic.step_s)
+    # A profile of other shapes is not used.
+    other = solve(model, cluster, TrainConfig(micro_batch_size=2, global_batch_size=8, seq_length=128),
+                  PlannerConfig(profile=str(path)))
+    assert other.cost_source == {"nvidia": "analytic", "amd": "analytic"}
+
+
+def test_transport_choice_changes_boundary_cost():
+    model = model_preset("llama8b")
+    train = TrainConfig(micro_batch_size=1, global_batch_size=128, seq_length=4096)
+    fixed = dict(tp=1, dp=8, stages=[1, 1], group_order=["nvidia", "amd"])
+    forwarded = solve(model, paper_cluster(kind="tcp", streams_per_address=1), train, PlannerConfig(**fixed))
+    direct = solve(model, paper_cluster(kind="tcp", streams_per_address=1), train,
+                   PlannerConfig(**fixed, transport="direct"))
+    assert forwarded.transport == "cpu_forwarding" and direct.transport == "direct"
+    assert direct.stages[0].p2p_s < forwarded.stages[0].p2p_s
+    slow_net = PlannerConfig(**fixed, network=NetworkConfig(tcp_stream_gbs=0.05))
+    assert solve(model, paper_cluster(kind="tcp"), train, slow_net).step_s > forwarded.step_s
