@@ -1,0 +1,147 @@
+"""Checkpoints to and from Hugging Face transformers.
+
+``python -m hetpipe.export`` turns a checkpoint written by a [2, 2] pipeline
+into a directory that ``AutoModelForCausalLM`` loads and generates from, with
+our logits; an HF directory (single file or sharded) seeds any split of a run.
+"""
+import pytest
+import torch
+
+from conftest import run_cli
+from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_hf_weights, restore, save_checkpoint
+from hetpipe.config import OptimizerConfig
+from hetpipe.export import export_hf
+from hetpipe.models import build_model, model_preset
+from hetpipe.models.hf import to_hf_config
+from hetpipe.trainer import build_optimizer
+
+transformers = pytest.importorskip("transformers")
+
+CPU = torch.device("cpu")
+LLAMA = model_preset("tiny_llama", hidden_size=64, ffn_hidden_size=160)
+QWEN2 = model_preset("tiny_qwen2", hidden_size=64, ffn_hidden_size=160)
+SPLIT = [(0, 3), (3, 6)]
+TOKENS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _trained_pipeline_checkpoint(save_dir, cfg):
+    """A [2, 2] pipeline after two AdamW steps, saved as two ranks; returns the chunks."""
+    chunks = [build_model(cfg, seed=1234, units=r) for r in SPLIT]
+    optimizers = [build_optimizer([c], OptimizerConfig(lr=1e-2), CPU) for c in chunks]
+    for _ in range(2):
+        chunks[1](chunks[0](TOKENS), TOKENS).backward()
+        if cfg.share_embeddings_and_output_weights:
+            summed = chunks[0].embedding.weight.grad + chunks[1].head.output.weight.grad
+            chunks[0].embedding.weight.grad.copy_(summed)
+            chunks[1].head.output.weight.grad.copy_(summed)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for rank in (1, 0):
+        save_checkpoint(CheckpointConfig(save_dir=str(save_dir)), "run", 2, [chunks[rank]], optimizers[rank],
+                        {"consumed_samples": 0}, rank, 2, cfg, barrier=lambda: None)
+    return chunks
+
+
+def _our_logits(chunks):
+    with torch.no_grad():
+        x = TOKENS
+        for chunk in chunks:
+            x = chunk(x)
+    return x
+
+
+def test_export_cli_loads_in_transformers_with_our_logits_and_generates(tmp_path):
+    chunks = _trained_pipeline_checkpoint(tmp_path / "ckpt", LLAMA)
+    out = tmp_path / "hf"
+    proc = run_cli(["-m", "hetpipe.export", str(tmp_path / "ckpt"), str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "exported" in proc.stdout and "iter_0000002" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, _our_logits(chunks), rtol=0, atol=1e-5)
+        generated = hf.generate(TOKENS, attention_mask=torch.ones_like(TOKENS), max_new_tokens=5,
+                                do_sample=False, pad_token_id=0)
+    assert generated.shape == (2, TOKENS.shape[1] + 5)
+    assert torch.equal(generated[:, :TOKENS.shape[1]], TOKENS)
+
+    proc = run_cli(["-m", "hetpipe.export", str(tmp_path / "nowhere"), str(tmp_path / "x")], timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"hetpipe: error: checkpoint {tmp_path / 'nowhere'} does not exist"
+
+
+def test_export_tied_qwen2_in_bfloat16(tmp_path):
+    chunks = _trained_pipeline_checkpoint(tmp_path / "ckpt", QWEN2)
+    out = export_hf(tmp_path / "ckpt" / "iter_0000002", tmp_path / "hf", dtype="bfloat16")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.config.tie_word_embeddings
+    assert torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(hf.model.embed_tokens.weight, chunks[0].embedding.weight.detach().bfloat16().float())
+
+
+def _hf_dir(tmp_path, cfg, **save_kwargs):
+    """A transformers model with random, non-trivial weights saved as a HF directory."""
+    torch.manual_seed(0)
+    hf_cfg = to_hf_config(cfg)
+    hf_cfg._attn_implementation = "eager"
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    out = tmp_path / "hf_model"
+    hf.save_pretrained(out, **save_kwargs)
+    return out, hf
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, QWEN2], ids=["llama", "qwen2_tied"])
+def test_sharded_hf_directory_seeds_any_split(tmp_path, cfg):
+    hf_dir, hf = _hf_dir(tmp_path, cfg, max_shard_size="200KB")
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        expected = hf(TOKENS).logits
+    for split in (SPLIT, [(0, 4), (4, 6)], [(0, 6)]):
+        chunks = [build_model(cfg, seed=5, units=r) for r in split]
+        for chunk in chunks:
+            load_hf_weights(hf_dir, [chunk], cfg)
+        torch.testing.assert_close(_our_logits(chunks), expected, rtol=0, atol=1e-5)
+
+
+def test_restore_seeds_from_hf_and_checks_the_config(tmp_path, capsys):
+    hf_dir, hf = _hf_dir(tmp_path, LLAMA)
+    model = build_model(LLAMA, seed=5)
+    opt = build_optimizer([model], OptimizerConfig(), CPU)
+    assert restore(CheckpointConfig(load_hf=str(hf_dir)), tmp_path, [model], opt, None, 0, 1, LLAMA) == 0
+    assert "initialised weights from Hugging Face model" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), hf(TOKENS).logits, rtol=0, atol=1e-5)
+
+    wider = model_preset("tiny_llama", hidden_size=128, ffn_hidden_size=160)
+    with pytest.raises(CheckpointError, match=f"Hugging Face model {hf_dir} does not match this run's model: "
+                                              "model.hidden_size=64 there but 128 here"):
+        load_hf_weights(hf_dir, [build_model(wider, seed=0)], wider)
+    (hf_dir / "model.safetensors").rename(hf_dir / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="holds pickled PyTorch weights only; hetpipe never unpickles"):
+        load_hf_weights(hf_dir, [model], LLAMA)
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_hf_weights(tmp_path, [model], LLAMA)
+
+
+def test_export_refuses_a_directory_holding_other_files(tmp_path):
+    _trained_pipeline_checkpoint(tmp_path / "ckpt", LLAMA)
+    out = tmp_path / "hf"
+    export_hf(tmp_path / "ckpt", out)
+    export_hf(tmp_path / "ckpt", out)  # re-exporting over our own export is fine
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"export directory {out} already holds model-00001-of-00002"):
+        export_hf(tmp_path / "ckpt", out)
