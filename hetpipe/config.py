@@ -12,9 +12,11 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from hetpipe.checkpoint.config import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.config import ModelConfig, preset_names
+from hetpipe.partitioner.solver import PlannerConfig
 
 
 @dataclass
@@ -118,6 +120,12 @@ class PretrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
+    # None: the plan comes from `partition`; "auto": the cost-model planner
+    # picks the split (with `planner` settings); a path: a plan.yaml written by
+    # `python -m hetpipe.plan`.
+    plan: Optional[str] = None
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if self.train.seq_length > self.model.max_position_embeddings:

@@ -44,11 +44,18 @@ class MetricsLogger:
     progress: bool = True
     wandb_project: Optional[str] = None
     wandb_config: dict[str, Any] = field(default_factory=dict)
+    # First step of this run (> 0 when resuming): earlier rows are kept.
+    start_step: int = 0
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = self.path.open("a", encoding="utf-8")
+        # Rows past the step this run starts from belong to a run that went on
+        # after its last checkpoint; they are replaced, not duplicated.
+        kept = [r for r in read_metrics(self.run_dir) if r["step"] <= self.start_step] \
+            if self.start_step and self.path.is_file() else []
+        self._file = self.path.open("w", encoding="utf-8")
+        self._file.writelines(json.dumps(r) + "\n" for r in kept)
         self._pending: list[_Pending] = []
         self._last_time = time.perf_counter()
         self.console = Console(highlight=False)
@@ -57,7 +64,7 @@ class MetricsLogger:
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[loss]}"), TimeRemainingColumn(),
                                  console=self.console)
-            self._task = self._bar.add_task("train", total=self.total_steps, loss="")
+            self._task = self._bar.add_task("train", total=self.total_steps, completed=self.start_step, loss="")
             self._bar.start()
         self._wandb = self._start_wandb() if self.wandb_project else None
 

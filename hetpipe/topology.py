@@ -10,6 +10,7 @@ configured cross-vendor channel.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from dataclasses import dataclass
@@ -46,6 +47,50 @@ def build_plan(partition, cluster: ClusterConfig, model: ModelConfig) -> Plan:
     plan = Plan(stages=stages, schedule=partition.schedule, num_chunks=partition.num_chunks)
     plan.check_model(model.num_layers)
     return plan
+
+
+def resolve_plan(cfg) -> Plan:
+    """The plan a pretrain config asks for: ``plan=auto`` (the cost-model
+    planner, restricted to what this release runs: one stage per rank, in the
+    cluster's group order, no TP/DP/recompute), ``plan=PATH`` (a plan.yaml), or
+    the explicit ``partition`` settings."""
+    from hetpipe.partitioner.solver import plan_for
+
+    if cfg.plan is None:
+        return build_plan(cfg.partition, cfg.cluster, cfg.model)
+    if cfg.plan == "auto":
+        planner = dataclasses.replace(
+            cfg.planner, tp=cfg.planner.tp or 1, dp=cfg.planner.dp or 1,
+            recompute=bool(cfg.planner.recompute),
+            stages=cfg.planner.stages or [g.size for g in cfg.cluster.groups],
+            group_order=cfg.planner.group_order or [g.name for g in cfg.cluster.groups])
+        plan = plan_for(cfg.model, cfg.cluster, cfg.train, planner)
+    else:
+        plan = Plan.load(cfg.plan)
+    plan.check_model(cfg.model.num_layers)
+    check_runnable(plan, cfg.cluster, cfg.train)
+    return plan
+
+
+def check_runnable(plan: Plan, cluster: ClusterConfig, train) -> None:
+    """Refuse plans that need features this release does not run yet."""
+    p = cluster.world_size
+    if plan.pipeline_size != p:
+        raise ConfigError(f"the plan has {plan.pipeline_size} pipeline ranks but cluster {cluster.name!r} has {p}")
+    for v, stage in enumerate(plan.stages):
+        if stage.tp != 1 or stage.dp != 1 or stage.ranks != [v % p]:
+            raise ConfigError(
+                f"plan stage {v} uses TP{stage.tp} x DP{stage.dp} on ranks {stage.ranks}; this release runs "
+                "one pipeline stage per rank in the cluster's rank order (TP/DP inside groups come later)")
+        if stage.group != cluster.group_of(v % p)[1].name:
+            raise ConfigError(f"plan stage {v} is on group {stage.group!r} but rank {v % p} belongs to "
+                              f"{cluster.group_of(v % p)[1].name!r}")
+    if plan.recompute:
+        raise ConfigError("the plan turns on activation recomputation, which this release does not run yet")
+    mbs = plan.notes.get("micro_batch_size") if plan.notes else None
+    if mbs is not None and mbs != train.micro_batch_size:
+        raise ConfigError(f"the plan was made for micro_batch_size={mbs} but train.micro_batch_size="
+                          f"{train.micro_batch_size}; set train.micro_batch_size={mbs}")
 
 
 def check_group_vendor(cluster: ClusterConfig, group: GroupConfig) -> None:

@@ -16,8 +16,10 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from omegaconf import OmegaConf
 
+from hetpipe.checkpoint import restore, save_checkpoint, should_save
 from hetpipe.comm.vendor import accelerator_name
 from hetpipe.config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
@@ -30,7 +32,7 @@ from hetpipe.models.flops import megatron_model_flops
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.schedules import build_schedule
-from hetpipe.topology import Topology, build_plan, check_group_vendor, check_transport_available
+from hetpipe.topology import Topology, check_group_vendor, check_transport_available, resolve_plan
 
 
 def lr_at(step: int, opt: OptimizerConfig, train_iters: int) -> float:
@@ -85,14 +87,15 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     any process starts, so bad input fails once, in one line; then runs
     :func:`run_rank` on every rank (in-process for a one-rank cluster).
     """
-    build_plan(cfg.partition, cfg.cluster, cfg.model)
+    plan = resolve_plan(cfg)
     check_transport_available(cfg.cluster)
     if not under_torchrun():
         for group in cfg.cluster.groups:
             check_group_vendor(cfg.cluster, group)
     _loader(cfg)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    return launch(cfg.cluster, run_rank, cfg_dict, str(run_dir))
+    # The ranks run the plan decided here (plan=auto solves once, not per rank).
+    return launch(cfg.cluster, run_rank, cfg_dict, plan.to_yaml(), str(run_dir))
 
 
 def _loader(cfg: PretrainConfig) -> MicrobatchLoader:
@@ -102,11 +105,11 @@ def _loader(cfg: PretrainConfig) -> MicrobatchLoader:
                             vocab_size=cfg.model.vocab_size, seed=t.seed)
 
 
-def run_rank(cfg_dict: dict, run_dir: str) -> list[float]:
+def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
     """One rank's training loop: its stage(s), its channels, the shared step loop."""
     cfg = resolve(cfg_dict)
     rank, world, local_rank = rank_env()
-    plan = build_plan(cfg.partition, cfg.cluster, cfg.model)
+    plan = Plan.from_dict(yaml.safe_load(plan_yaml))
     topo = Topology(cfg.cluster, plan, rank, world, local_rank)
     try:
         return _train_loop(cfg, plan, topo, Path(run_dir))
@@ -134,6 +137,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     world_group = dist.group.WORLD if topo.world_size > 1 else None
     clipper = GradNormClipper(cfg.model, chunks, world_group)
 
+    start = restore(cfg.checkpoint, run_dir, chunks, optimizer, loader, topo.rank, topo.world_size, cfg.model)
     logger = None
     if topo.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +145,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
         (run_dir / "config.yaml").write_text(resolved)
         (run_dir / "plan.yaml").write_text(plan.to_yaml())
         logger = MetricsLogger(
-            run_dir=run_dir, total_steps=t.train_iters, tokens_per_step=loader.tokens_per_step,
+            run_dir=run_dir, total_steps=t.train_iters, start_step=start, tokens_per_step=loader.tokens_per_step,
             flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
             num_devices=topo.world_size, peak_tflops=peak_tflops(cfg, device),
             log_interval=t.log_interval, progress=cfg.logging.progress,
@@ -156,7 +160,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
 
     losses = []
     try:
-        for step in range(t.train_iters):
+        for step in range(start, t.train_iters):
             lr = lr_at(step, cfg.optimizer, t.train_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -169,6 +173,11 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             losses.append(mean_loss)
             if logger is not None:
                 logger.record(step + 1, mean_loss, grad_norm, lr, loader.state_dict()["consumed_samples"])
+            if should_save(cfg.checkpoint, step + 1, t.train_iters):
+                if logger is not None:
+                    logger.flush()  # metrics up to the checkpoint are on disk with it
+                save_checkpoint(cfg.checkpoint, run_dir, step + 1, chunks, optimizer, loader.state_dict(),
+                                topo.rank, topo.world_size, cfg.model, plan)
     finally:
         if logger is not None:
             logger.close()

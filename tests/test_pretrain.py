@@ -129,3 +129,15 @@ def test_config_values_are_checked():
         resolve({"model": {"name": "m"}, "train": {"precision": "fp8"}})
     with pytest.raises(ConfigError, match="transport.kind"):
         resolve({"model": {"name": "m"}, "cluster": {"transport": {"kind": "carrier-pigeon"}}})
+
+
+def test_multirun_sweeps_partition_plans(tmp_path, shakespeare_prefix):
+    proc = run_cli(["-m", "hetpipe.pretrain", "-m", "+model=tiny_llama", "cluster=cpu_mixed",
+                    "partition.layers=[1,3],[3,1]", "train.train_iters=2", "train.seq_length=32",
+                    "train.global_batch_size=4", "logging.progress=false",
+                    f"data.path={shakespeare_prefix}", f"hydra.sweep.dir={tmp_path}"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = sorted(p.read_text() for p in tmp_path.glob("*/plan.yaml"))
+    assert len(plans) == 2 and plans[0] != plans[1]
+    assert all(len((p.parent / "metrics.jsonl").read_text().splitlines()) == 2
+               for p in tmp_path.glob("*/plan.yaml"))
