@@ -153,10 +153,10 @@ def register_configs() -> None:
             lambda *, _root_: "no-model" if OmegaConf.is_missing(_root_, "model") else _root_.model.name)
 
 
-def resolve(cfg: DictConfig | dict[str, Any]) -> PretrainConfig:
-    """Turn a composed config into checked dataclass objects, or raise ConfigError."""
+def resolve(cfg: DictConfig | dict[str, Any], schema: type = PretrainConfig) -> Any:
+    """Turn a composed config into checked ``schema`` objects, or raise ConfigError."""
     if isinstance(cfg, dict):
-        cfg = OmegaConf.merge(OmegaConf.structured(PretrainConfig), cfg)
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), cfg)
     if OmegaConf.is_missing(cfg, "model"):
         raise ConfigError(f"no model chosen: add +model=NAME (one of {', '.join(preset_names())})")
     try:

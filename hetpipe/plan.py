@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import hydra
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.config import PartitionConfig, TrainConfig, register_configs
-from hetpipe.errors import ConfigError, HetpipeError, run_cli
-from hetpipe.models.config import ModelConfig, preset_names
+from hetpipe.config import PartitionConfig, TrainConfig, register_configs, resolve
+from hetpipe.errors import ConfigError, run_cli
+from hetpipe.models.config import ModelConfig
 from hetpipe.partitioner.solver import PlannerConfig, Solution, solve
 
 MODES = ("plan", "profile")
@@ -83,19 +83,7 @@ def register_plan_config() -> None:
 
 def resolve_plan(cfg: DictConfig | dict[str, Any]) -> PlanConfig:
     """Turn a composed config into checked dataclass objects, or raise ConfigError."""
-    if isinstance(cfg, dict):
-        cfg = OmegaConf.merge(OmegaConf.structured(PlanConfig), cfg)
-    if OmegaConf.is_missing(cfg, "model"):
-        raise ConfigError(f"no model chosen: add +model=NAME (one of {', '.join(preset_names())})")
-    try:
-        return OmegaConf.to_object(cfg)
-    except HetpipeError:
-        raise
-    except Exception as exc:  # OmegaConf wraps errors raised in __post_init__
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, HetpipeError):
-            raise cause from None
-        raise ConfigError(str(exc).splitlines()[0]) from None
+    return resolve(cfg, PlanConfig)
 
 
 def run_plan(cfg: PlanConfig) -> Solution:

@@ -145,7 +145,7 @@ def best_split(time: np.ndarray, sync: np.ndarray, feasible: np.ndarray, num_mic
     sum t <= Y* and max a <= Z* unless its bound shows none can beat the best.
     Ties go to the first split found, so the result is deterministic.
     """
-    P, N = time.shape[0], time.shape[1]
+    N = time.shape[1]
     M1 = num_microbatches - 1
     upper = np.triu(np.ones((N, N), dtype=bool), 1)
     valid = feasible & upper
@@ -565,7 +565,7 @@ class _Block:
 
 def _enumerate(ctx: _Context, num_stages: Optional[int]) -> list[_Block]:
     """Every candidate allowed by the cluster and the planner's constraints, in blocks."""
-    model, train, planner = ctx.model, ctx.train, ctx.planner
+    train, planner = ctx.train, ctx.planner
     G, U = len(ctx.groups), ctx.num_units
     sizes = [g.size for g in ctx.groups]
     tp_options = _tp_options(ctx)

@@ -3,7 +3,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from conftest import run_cli
 from hetpipe.config import OptimizerConfig, resolve
