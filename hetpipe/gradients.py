@@ -56,13 +56,17 @@ class GradNormClipper:
             self.layout = torch.cat(gathered)
 
     def clip(self, max_norm: float, extra: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale gradients in place; returns (total norm, summed ``extra``) as CPU tensors."""
+        """Scale gradients in place; returns (total norm, summed ``extra``).
+
+        With one rank both stay on the device (no host sync in the step);
+        across ranks the exchange goes through the CPU (gloo) anyway.
+        """
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         norms = torch._foreach_norm(grads) if grads else []
         extra_value = extra.detach().float().reshape(1) if extra is not None else torch.zeros(1)
         if self.world == 1:
             total = torch.linalg.vector_norm(torch.stack(norms))
-            summed_extra = extra_value.cpu()
+            summed_extra = extra_value
         else:
             local = torch.zeros(self.width + 1, dtype=torch.float32)
             if norms:
@@ -82,7 +86,7 @@ class GradNormClipper:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             grads_all = [p.grad for p in self.all_params if p.grad is not None]
             torch._foreach_mul_(grads_all, coef.to(grads_all[0].device))
-        return total.detach().cpu(), summed_extra[0]
+        return total.detach(), summed_extra[0]
 
 
 def sync_tied_embedding_grads(chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup]) -> None:
