@@ -58,6 +58,12 @@ def test_reshard_to_another_split_and_export(tmp_path, shakespeare_prefix, refer
     generated = model.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=5, do_sample=False)
     assert generated.shape == (1, 8)
 
+    # The exported directory seeds a continued-pretraining run on another split:
+    # its first loss is that of the trained weights, not of a fresh init.
+    seeded, _ = _losses(tmp_path, "seeded", shakespeare_prefix, "cluster=cpu_mixed", "partition.layers=[1,3]",
+                        "train.train_iters=1", f"checkpoint.load_hf={out}")
+    assert seeded[1] < reference[1] - 0.5
+
 
 def test_corrupted_checkpoint_is_refused_by_name(tmp_path, shakespeare_prefix):
     ckpt = tmp_path / "ckpt"
