@@ -26,4 +26,4 @@ echo "== 3/3 single process reference"
 "$py" -m hetpipe.pretrain "${common[@]}" cluster=single cluster.groups.0.device_type=CPU \
   "hydra.run.dir=$out/single" "$@"
 echo "== loss curves"
-"$py" -m hetpipe.compare "$out/single" "$out/mixed" "$out/homogeneous" --rtol 0
+"$py" -m hetpipe.compare "$out/single" "$out/mixed" "$out/homogeneous" --rtol 0 --out "$out"

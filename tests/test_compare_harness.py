@@ -1,0 +1,257 @@
+"""The loss-curve parity harness: ``python -m hetpipe.compare``'s inputs and
+outputs, and ``scripts/parity_experiment.sh`` end to end on CPU.
+
+The parity claims under test: when only the boundary transport (or the vendor
+label) differs, curves are bitwise identical; when the layer split differs,
+they agree to 1e-5.
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+from hetpipe.wandb_log import _wandb_records
+from hetpipe.errors import HetpipeError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# The pipeline tests' tiny model and batch: a run takes a few seconds.
+TINY = ["model.hidden_size=64", "model.ffn_hidden_size=160", "train.train_iters=10", "train.seq_length=32",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=5",
+        "optimizer.lr=3e-3"]
+
+
+def _run(tmp_path, name, losses, first_step=1):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": first_step + i, "loss": x, "tokens_per_s": 1000.0 + i}) + "\n"
+        for i, x in enumerate(losses)))
+    return d
+
+
+def _table(markdown, header_start):
+    """Rows (lists of cells) of the Markdown table whose header starts with ``header_start``."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header_start} |"))
+    assert set(lines[start + 1].replace("|", "").split()) <= {"---", "---:"}
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return [cell.strip() for cell in lines[start].strip("|").split("|")], rows
+
+
+@pytest.mark.timeout(60)
+def test_png_and_markdown_written_with_one_row_per_compared_run(tmp_path):
+    ref = _run(tmp_path, "ref", [5.0, 4.0, 3.0])
+    same = _run(tmp_path, "same", [5.0, 4.0, 3.0])
+    off = _run(tmp_path, "off", [5.0, 4.5, 3.3])
+    out = tmp_path / "report"
+    proc = run_cli(["-m", "hetpipe.compare", str(ref), str(same), str(off), "--rtol", "0.2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "compare.png").read_bytes().startswith(PNG_MAGIC)
+    header, rows = _table((out / "compare.md").read_text(), "run vs reference")
+    assert header[:4] == ["run vs reference", "compared steps", "missing steps", "max abs diff"]
+    assert [r[0] for r in rows] == ["same", "off"]
+    same_row, off_row = (dict(zip(header, r)) for r in rows)
+    assert same_row["max abs diff"] == "0.000e+00" and same_row["verdict"] == "PASS (bitwise identical)"
+    assert off_row["compared steps"] == "3" and off_row["missing steps"] == "0"
+    assert off_row["max abs diff"] == f"{0.5:.3e}" and off_row["mean abs diff"] == f"{0.8 / 3:.3e}"
+    assert off_row["max rel diff"] == f"{0.5 / 4:.3e}" and off_row["final rel err"] == f"{0.3 / 3:.3e}"
+    assert off_row["verdict"] == "PASS"
+    _, run_rows = _table((out / "compare.md").read_text(), "run")
+    assert [r[0] for r in run_rows] == ["ref", "same", "off"]
+
+    # Explicit paths win over --out's, parents are created, and a failing
+    # verdict still writes both (exit 1).
+    png, md = tmp_path / "a" / "curves.png", tmp_path / "b" / "table.md"
+    proc = run_cli(["-m", "hetpipe.compare", str(ref), str(off), "--plot", str(png), "--markdown", str(md)])
+    assert proc.returncode == 1 and "FAIL" in proc.stdout
+    assert png.read_bytes().startswith(PNG_MAGIC) and "| off |" in md.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_misaligned_steps_compare_on_common_steps_and_count_the_rest(tmp_path):
+    ref = _run(tmp_path, "ref", [6.0, 5.0, 4.0, 3.0, 2.0])             # steps 1..5
+    late = _run(tmp_path, "late", [4.0, 3.0, 2.0, 1.5], first_step=3)  # steps 3..6
+    proc = run_cli(["-m", "hetpipe.compare", str(ref), str(late), "--rtol", "0"])
+    assert proc.returncode == 0, proc.stderr
+    line = [line for line in proc.stdout.splitlines() if line.startswith("late ")][-1]
+    # 3 common steps; 1, 2 only in ref and 6 only in late.
+    assert line.split()[1:3] == ["3", "3"] and "bitwise identical" in line
+
+    disjoint = _run(tmp_path, "disjoint", [1.0], first_step=9)
+    proc = run_cli(["-m", "hetpipe.compare", str(ref), str(disjoint)])
+    assert proc.returncode == 2 and "share no steps" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_metrics_jsonl_path_is_accepted(tmp_path):
+    a = _run(tmp_path, "a", [5.0, 4.0])
+    b = _run(tmp_path, "b", [5.0, 4.0])
+    proc = run_cli(["-m", "hetpipe.compare", str(a / "metrics.jsonl"), str(b)])
+    assert proc.returncode == 0 and "bitwise identical" in proc.stdout
+    assert f"reference: a ({a / 'metrics.jsonl'})" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such run directory or metrics file"),
+    ("empty_dir", "no metrics.jsonl and no wandb offline run"),
+    ("empty_file", "no metrics rows"),
+    ("bad_json", "metrics.jsonl:2: not a JSON row"),
+    ("no_loss", "metrics.jsonl:1: a metrics row needs an integer 'step' and a numeric 'loss'"),
+])
+def test_unreadable_run_is_one_clear_line(tmp_path, case, message):
+    good = _run(tmp_path, "good", [5.0, 4.0])
+    bad = tmp_path / case
+    if case != "missing":
+        bad.mkdir()
+    contents = {"empty_file": "\n", "bad_json": '{"step": 1, "loss": 5.0}\n{"step": 2,\n',
+                "no_loss": '{"step": 1, "lm loss": 5.0}\n'}
+    if case in contents:
+        (bad / "metrics.jsonl").write_text(contents[case])
+    proc = run_cli(["-m", "hetpipe.compare", str(good), str(bad), "--out", str(tmp_path / "report")])
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hetpipe: error:"), proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.timeout(60)
+def test_wandb_offline_run_without_the_wandb_package_is_one_clear_line(tmp_path):
+    # Hides wandb even where it is installed; the log is never opened, so a
+    # header alone stands in for one.
+    good = _run(tmp_path, "good", [5.0, 4.0])
+    offline = tmp_path / "wb" / "wandb" / "offline-run-20260101_000000-abcd1234"
+    offline.mkdir(parents=True)
+    (offline / "run-abcd1234.wandb").write_bytes(b":W&B\xe1\xbe\x00")
+    code = ("import sys; sys.modules['wandb'] = None; from hetpipe.compare import main; "
+            f"sys.exit(main([{str(good)!r}, {str(tmp_path / 'wb')!r}]))")
+    proc = run_cli(["-c", code])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"hetpipe: error: {offline}: reading wandb runs needs the wandb package" in proc.stderr
+
+
+def _frame(payloads):
+    """A .wandb log in LevelDB's log framing, written as the wandb writer does."""
+    out = bytearray(b":W&B\xe1\xbe\x00")
+    block = 32 * 1024
+    for payload in payloads:
+        first = True
+        while True:
+            left = block - len(out) % block
+            if left < 7:
+                out += b"\0" * left
+                left = block
+            chunk, payload = payload[:left - 7], payload[left - 7:]
+            kind = (1 if not payload else 2) if first else (4 if not payload else 3)
+            out += struct.pack("<IHB", zlib.crc32(chunk, zlib.crc32(bytes([kind]))), len(chunk), kind) + chunk
+            first = False
+            if not payload:
+                break
+    return bytes(out)
+
+
+@pytest.mark.timeout(60)
+def test_wandb_log_framing_across_blocks_truncation_and_corruption(tmp_path):
+    # The framing is hetpipe's own reader (the records' protobuf is wandb's):
+    # records spanning blocks, a block tail too short for a header, a log cut
+    # off mid-record by a crash, and a flipped byte.
+    # a ends at byte 24; b spans three blocks and ends 4509 bytes into the
+    # third; c leaves 3 bytes of that block, which become padding.
+    payloads = [b"a" * 10, b"b" * 70_000, b"c" * (32 * 1024 - 3 - 4509 - 7), b"d" * 5, b""]
+    log = tmp_path / "run.wandb"
+    data = _frame(payloads)
+    log.write_bytes(data)
+    assert [p for _, p in _wandb_records(log)] == payloads
+    assert data[2 * 32 * 1024 + 32 * 1024 - 3:3 * 32 * 1024] == b"\0\0\0"
+    log.write_bytes(data[:-7 - 2])  # d loses its last bytes (and the empty record): only d is dropped
+    assert [p for _, p in _wandb_records(log)] == payloads[:3]
+    corrupt = bytearray(data)
+    corrupt[40] ^= 1
+    log.write_bytes(bytes(corrupt))
+    with pytest.raises(HetpipeError, match="corrupt record at byte 24"):
+        list(_wandb_records(log))
+    log.write_bytes(b"not a wandb log")
+    with pytest.raises(HetpipeError, match="not a wandb transaction log"):
+        list(_wandb_records(log))
+
+
+@pytest.mark.timeout(120)
+def test_wandb_offline_run_reads_like_its_metrics_jsonl(tmp_path):
+    pytest.importorskip("wandb")
+    # hetpipe's own MetricsLogger writes both records of the same rows.
+    run_dir = tmp_path / "wb"
+    code = f"""
+import torch
+from pathlib import Path
+from hetpipe.metrics import MetricsLogger
+log = MetricsLogger(Path({str(run_dir)!r}), total_steps=4, tokens_per_step=64, flops_per_step=1e6,
+                    num_devices=1, peak_tflops=None, log_interval=2, progress=False, wandb_project="t")
+for step, loss in enumerate([5.25, 4.5, 4.125, 3.0625], 1):
+    log.record(step, torch.tensor(loss + 1e-7), torch.tensor(1.0), 1e-3, 8 * step)
+log.close()
+"""
+    env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
+                          timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir / "metrics.jsonl").rename(tmp_path / "metrics.jsonl")
+    proc = run_cli(["-m", "hetpipe.compare", str(run_dir), str(tmp_path / "metrics.jsonl"), "--rtol", "0"])
+    assert proc.returncode == 0, proc.stderr
+    assert "bitwise identical" in proc.stdout and "offline-run-" in proc.stdout
+
+
+def _parity(out, data):
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    return subprocess.run(["bash", str(REPO / "scripts" / "parity_experiment.sh"), str(out), *TINY,
+                           f"data.path={data}"],
+                          cwd=REPO, env=env, text=True, capture_output=True, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, shakespeare_prefix):
+    out = tmp_path_factory.mktemp("parity")
+    return out, _parity(out, shakespeare_prefix)
+
+
+@pytest.mark.timeout(180)
+def test_parity_script_gives_bitwise_identical_curves_on_cpu(parity):
+    out, proc = parity
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdicts = {line.split()[0]: line for line in proc.stdout.splitlines()
+                if line.startswith(("homogeneous_b ", "mixed "))}
+    assert set(verdicts) == {"homogeneous_b", "mixed"}
+    assert all(line.endswith("PASS (bitwise identical)") for line in verdicts.values())
+    assert (out / "compare.png").read_bytes().startswith(PNG_MAGIC)
+    assert "| mixed | 10 | 0 |" in (out / "compare.md").read_text()
+    # The three runs really were the three layouts the experiment claims.
+    plans = {name: yaml.safe_load((out / name / "plan.yaml").read_text())
+             for name in ("homogeneous_a", "homogeneous_b", "mixed")}
+    assert [s["group"] for s in plans["homogeneous_a"]["stages"]] == ["nvidia", "nvidia"]
+    assert [s["group"] for s in plans["homogeneous_b"]["stages"]] == ["amd", "amd"]
+    assert [s["group"] for s in plans["mixed"]["stages"]] == ["nvidia", "amd"]
+    assert all([s["layers"] for s in p["stages"]] == [2, 2] for p in plans.values())
+
+
+@pytest.mark.timeout(120)
+def test_a_different_split_agrees_within_1e_5(tmp_path, parity):
+    out, proc = parity
+    assert proc.returncode == 0
+    # The mixed run again with the layers split [1,3] instead of [2,2]: its
+    # own overrides, with the split replaced (hydra's last override wins).
+    overrides = yaml.safe_load((out / "mixed" / ".hydra" / "overrides.yaml").read_text())
+    split = tmp_path / "mixed_1_3"
+    trained = run_cli(["-m", "hetpipe.pretrain", *overrides, "partition.layers=[1,3]", f"hydra.run.dir={split}"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert [s["layers"] for s in yaml.safe_load((split / "plan.yaml").read_text())["stages"]] == [1, 3]
+    proc = run_cli(["-m", "hetpipe.compare", str(out / "mixed"), str(split), "--rtol", "1e-5"])
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout + proc.stderr
