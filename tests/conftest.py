@@ -19,6 +19,18 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240) -> s
                           capture_output=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tensors as small as the test models' only lose from intra-op threads
+    (badly, on a busy two-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def shakespeare_prefix(tmp_path_factory) -> str:
     """tinyshakespeare byte-tokenized into a Megatron .bin/.idx pair (one document per paragraph)."""

@@ -24,12 +24,7 @@ SPLIT = [(0, 3), (3, 6)]  # [2, 2] layers
 LOADER_STATE = {"consumed_samples": 8, "seed": 1234, "num_samples": 100, "global_batch_size": 8}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ranks(cfg=LLAMA, split=SPLIT, seed=1234):

@@ -24,12 +24,7 @@ SPLIT = [(0, 3), (3, 6)]
 TOKENS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained_pipeline_checkpoint(save_dir, cfg):

@@ -44,13 +44,7 @@ def unit_ranges(layers: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tensors this small only lose from intra-op threads (badly, on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
