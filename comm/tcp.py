@@ -232,57 +232,30 @@ class _Peer:
     error: ChannelError | None = None
 
 
-class TcpChannel(Channel):
-    """Boundary channel that forwards through host memory over striped TCP connections.
-
-    ``addresses`` are this rank's local addresses (one per NIC); every rank of
-    the job must configure the same number of addresses and the same
-    ``streams_per_address``. Connection j of each peer pair goes from local
-    address ``j % len(addresses)`` to the peer's address of the same index.
-    ``deadline`` bounds the rendezvous and is every ``wait``'s default.
-    ``device`` (optional) is the GPU this rank's boundary tensors live on; its
-    side streams are created up front rather than on first use.
+class SocketRendezvous:
+    """Listening sockets, rendezvous through the job's store and the token
+    handshake, shared by the socket-based channels (this one and the
+    device-direct channel's control connections). A subclass sets ``rank``,
+    ``peers``, ``name``, ``deadline``, ``addresses``, ``streams_per_address``,
+    ``nstreams`` and ``_token`` before calling :meth:`_rendezvous`.
     """
 
-    def __init__(self, rank: int, peers: list[int], names: dict[int, str], store: dist.Store, token: str,
-                 addresses: Sequence[str] = ("127.0.0.1",), streams_per_address: int = 1,
-                 deadline: float = 300.0, device: torch.device | None = None) -> None:
-        super().__init__(rank, peers, names, deadline)
-        if not token:
-            raise ChannelError("TcpChannel needs a non-empty job token")
-        if len(token.encode()) > _MAX_TOKEN_BYTES:
-            raise ChannelError(f"job token is longer than {_MAX_TOKEN_BYTES} bytes")
-        if not addresses:
-            raise ChannelError("TcpChannel needs at least one local address")
-        if streams_per_address < 1:
-            raise ChannelError(f"streams_per_address must be >= 1, got {streams_per_address}")
-        self.addresses = list(addresses)
-        self.streams_per_address = int(streams_per_address)
-        self.nstreams = len(self.addresses) * self.streams_per_address
-        self._token = token.encode()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._closing = False
-        self._peers = {p: _Peer(p, self.name_of(p)) for p in self.peers}
-        self._pool = _PinnedPool()
-        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
-        self.device = torch.device(device) if device is not None else None
-        if self.device is not None and self.device.type == "cuda":
-            self._side_stream(self.device, "send")
-            self._side_stream(self.device, "recv")
-
+    def _rendezvous(self, store: dist.Store) -> dict[tuple[int, int], socket.socket]:
+        """Authenticated connections to every peer, keyed (peer, stream index):
+        publish this rank's endpoints in ``store``, accept from lower ranks and
+        connect to higher ones, all within ``self.deadline``."""
         until = time.monotonic() + self.deadline
         listeners: list[socket.socket] = []
         sockets: dict[tuple[int, int], socket.socket] = {}
         try:
             listeners = self._listen()
-            store.set(endpoint_key(rank), json.dumps({
+            store.set(endpoint_key(self.rank), json.dumps({
                 "streams_per_address": self.streams_per_address,
                 "endpoints": [list(s.getsockname()[:2]) for s in listeners]}))
-            acceptor = _Acceptor(self, listeners, [p for p in self.peers if p < rank], until)
+            acceptor = _Acceptor(self, listeners, [p for p in self.peers if p < self.rank], until)
             acceptor.start()
             try:
-                for peer in (p for p in self.peers if p > rank):
+                for peer in (p for p in self.peers if p > self.rank):
                     for j, sock in enumerate(self._connect(store, peer, until)):
                         sockets[(peer, j)] = sock
             except BaseException:
@@ -296,18 +269,7 @@ class TcpChannel(Channel):
         finally:
             for sock in listeners:
                 sock.close()
-        for (peer, j), sock in sorted(sockets.items()):
-            sock.settimeout(None)
-            self._peers[peer].links.append(_Link(sock, j))
-        for state in self._peers.values():
-            for link in state.links:
-                for target, role in ((self._sender_loop, "send"), (self._receiver_loop, "recv")):
-                    thread = threading.Thread(target=target, args=(state, link), daemon=True,
-                                              name=f"hetpipe-tcp-{role}-{rank}-{state.rank}-{link.index}")
-                    link.threads.append(thread)
-                    thread.start()
-
-    # ----------------------------------------------------------------- setup
+        return sockets
 
     def _listen(self) -> list[socket.socket]:
         listeners = []
@@ -398,6 +360,58 @@ class TcpChannel(Channel):
                 f"peer {peer_name} refused the connection: it does not expect stream {stream} of "
                 f"{self.nstreams} from {self.name} (check that both list each other as peers and use "
                 "the same addresses and streams_per_address)")
+
+
+class TcpChannel(Channel, SocketRendezvous):
+    """Boundary channel that forwards through host memory over striped TCP connections.
+
+    ``addresses`` are this rank's local addresses (one per NIC); every rank of
+    the job must configure the same number of addresses and the same
+    ``streams_per_address``. Connection j of each peer pair goes from local
+    address ``j % len(addresses)`` to the peer's address of the same index.
+    ``deadline`` bounds the rendezvous and is every ``wait``'s default.
+    ``device`` (optional) is the GPU this rank's boundary tensors live on; its
+    side streams are created up front rather than on first use.
+    """
+
+    def __init__(self, rank: int, peers: list[int], names: dict[int, str], store: dist.Store, token: str,
+                 addresses: Sequence[str] = ("127.0.0.1",), streams_per_address: int = 1,
+                 deadline: float = 300.0, device: torch.device | None = None) -> None:
+        super().__init__(rank, peers, names, deadline)
+        if not token:
+            raise ChannelError("TcpChannel needs a non-empty job token")
+        if len(token.encode()) > _MAX_TOKEN_BYTES:
+            raise ChannelError(f"job token is longer than {_MAX_TOKEN_BYTES} bytes")
+        if not addresses:
+            raise ChannelError("TcpChannel needs at least one local address")
+        if streams_per_address < 1:
+            raise ChannelError(f"streams_per_address must be >= 1, got {streams_per_address}")
+        self.addresses = list(addresses)
+        self.streams_per_address = int(streams_per_address)
+        self.nstreams = len(self.addresses) * self.streams_per_address
+        self._token = token.encode()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._closing = False
+        self._peers = {p: _Peer(p, self.name_of(p)) for p in self.peers}
+        self._pool = _PinnedPool()
+        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda":
+            self._side_stream(self.device, "send")
+            self._side_stream(self.device, "recv")
+
+        sockets = self._rendezvous(store)
+        for (peer, j), sock in sorted(sockets.items()):
+            sock.settimeout(None)
+            self._peers[peer].links.append(_Link(sock, j))
+        for state in self._peers.values():
+            for link in state.links:
+                for target, role in ((self._sender_loop, "send"), (self._receiver_loop, "recv")):
+                    thread = threading.Thread(target=target, args=(state, link), daemon=True,
+                                              name=f"hetpipe-tcp-{role}-{rank}-{state.rank}-{link.index}")
+                    link.threads.append(thread)
+                    thread.start()
 
     def _side_stream(self, device: torch.device, role: str) -> torch.cuda.Stream:
         """One side stream per device and direction, so staging copies overlap compute."""

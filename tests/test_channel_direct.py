@@ -1,0 +1,347 @@
+"""The device-direct channel's control plane between real processes, moving bytes through shared memory.
+
+The pytest process plays stage 0 and a spawned process stage 1 (or a rogue
+client that only knows the handshake). The shm mover is the CI data plane;
+the CUDA IPC mover cannot run here and is not exercised. Every wait is bounded.
+"""
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hetpipe.comm.channel import ChannelError, ChannelTimeout
+from hetpipe.comm.direct import DirectChannel
+from hetpipe.comm.movers import RegionHandle, ShmMover, make_mover
+from hetpipe.comm.tcp import REPLY_SIZE, encode_hello, lookup_endpoints
+
+CTX = multiprocessing.get_context("spawn")
+NAMES = {0: "stage 0 (group nvidia, rank 0)", 1: "stage 1 (group amd, rank 1)"}
+TOKEN = "job-2718-secret"
+
+CASES = [
+    (torch.float32, (2, 64, 128)),
+    (torch.bfloat16, (3, 5, 7)),
+    (torch.int64, (1000,)),
+    (torch.float32, (0, 4)),
+    (torch.float64, ()),
+    (torch.float32, (4 * 1024 * 1024,)),  # 16 MiB
+]
+
+
+def make(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    return torch.randint(-(1 << 40), 1 << 40, shape, generator=g).to(dtype)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def my_segments() -> list[str]:
+    return glob.glob(f"/dev/shm/hetpipe_{os.getpid()}_*")
+
+
+# ----------------------------------------------------------- process harness
+
+def _child(target, rank: int, port: int, results, args: tuple) -> None:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+        results.put((rank, "ok", target(rank, store, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class Ranks:
+    """A TCPStore hosted here plus one spawned process per rank running ``target(rank, store, *args)``."""
+
+    def __init__(self, target, ranks: list[int], *args, timeout: float = 20.0) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout))
+        self.timeout = timeout
+        self.queue = CTX.Queue()
+        self.procs = {r: CTX.Process(target=_child, args=(target, r, self.store.port, self.queue, args), daemon=True)
+                      for r in ranks}
+
+    def __enter__(self) -> "Ranks":
+        for proc in self.procs.values():
+            proc.start()
+        return self
+
+    def results(self) -> dict[int, object]:
+        out: dict[int, object] = {}
+        until = time.monotonic() + self.timeout
+        while len(out) < len(self.procs):
+            rank, status, value = self.queue.get(timeout=max(until - time.monotonic(), 0.1))
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            out[rank] = value
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+
+
+def channel(rank: int, store, **kw) -> DirectChannel:
+    kw.setdefault("deadline", 15.0)
+    kw.setdefault("mover", "shm")
+    return DirectChannel(rank, [1 - rank], NAMES, store, kw.pop("token", TOKEN), **kw)
+
+
+# ------------------------------------------------------------- child targets
+
+def echo_cases(rank: int, store) -> tuple[int, list[str]]:
+    """Receive every case as fwd, send it back as bwd; report registrations and leftover segments."""
+    with channel(rank, store) as ch:
+        for i, (dtype, shape) in enumerate(CASES):
+            buf = torch.empty(shape, dtype=dtype)
+            ch.irecv(buf, 0, microbatch=i, kind="fwd").wait()
+            ch.isend(buf, 0, microbatch=i, kind="bwd").wait()
+        registrations = ch.mover.registrations
+    return registrations, my_segments()
+
+
+def interleave(rank: int, store, count: int) -> list[int]:
+    with channel(rank, store) as ch:
+        return _interleave(ch, rank, count)
+
+
+def _interleave(ch: DirectChannel, rank: int, count: int) -> list[int]:
+    """Post ``count`` receives ahead, then ``count`` sends the other way; check every value."""
+    out_kind, in_kind = ("fwd", "bwd") if rank == 0 else ("bwd", "fwd")
+    size = lambda i: 100 if i % 2 else 5000 + 7 * i  # noqa: E731 - two shapes, interleaved
+    bufs = [torch.empty(size(i)) for i in range(count)]
+    recvs = [ch.irecv(b, 1 - rank, microbatch=i, kind=in_kind) for i, b in enumerate(bufs)]
+    time.sleep(0.1)  # the peer's READYs arrive before our sends are posted
+    sends = [ch.isend(torch.full((size(i),), float(i + 1000 * rank)), 1 - rank, microbatch=i, kind=out_kind)
+             for i in range(count)]
+    for h in recvs + sends:
+        h.wait()
+    other = 1000 * (1 - rank)
+    return [i for i, b in enumerate(bufs) if not torch.equal(b, torch.full_like(b, float(i + other)))]
+
+
+def send_wrong(rank: int, store) -> list[str]:
+    """Stage 1 sends three wrong messages and one right one; reports what its send handles said."""
+    with channel(rank, store) as ch:
+        out = []
+        for tensor, mb in ((torch.ones(2, 3, 5), 0), (torch.ones(2, 3, 4, dtype=torch.bfloat16), 1),
+                           (torch.ones(2, 3, 4), 7), (torch.full((2, 3, 4), 9.0), 3)):
+            try:
+                ch.isend(tensor, 0, microbatch=mb, kind="bwd").wait()
+                out.append("sent")
+            except ChannelError as exc:
+                out.append(str(exc))
+        return out
+
+
+def connect_then_idle(rank: int, store, seconds: float) -> str:
+    with channel(rank, store) as ch:
+        try:
+            ch.irecv(torch.empty(1), 0, microbatch=99, kind="fwd").wait(seconds)
+        except ChannelError as exc:
+            return str(exc)
+    return "idle"
+
+
+def echo_once(rank: int, store) -> bool:
+    with channel(rank, store) as ch:
+        buf = torch.empty(4, 4)
+        ch.irecv(buf, 0, microbatch=0, kind="fwd").wait()
+        ch.isend(buf * 2, 0, microbatch=0, kind="bwd").wait()
+        return True
+
+
+def same_shape_many(rank: int, store, count: int) -> int:
+    with channel(rank, store) as ch:
+        for mb in range(count):
+            ch.isend(torch.full((64, 32), float(mb)), 0, microbatch=mb, kind="bwd").wait()
+        return ch.mover.registrations
+
+
+# ------------------------------------------------------------- unit tests
+
+def test_region_handle_is_json_and_rejects_garbage():
+    handle = RegionHandle("shm", "seg", 128, b"seg")
+    assert RegionHandle.from_bytes(handle.to_bytes()) == handle
+    assert handle.to_bytes().startswith(b"{")
+    with pytest.raises(ChannelError, match="malformed region handle from stage 1"):
+        RegionHandle.from_bytes(b"\x80\x04cos\nsystem\n", sender=NAMES[1])
+    with pytest.raises(ChannelError, match="invalid size"):
+        RegionHandle.from_bytes(RegionHandle("shm", "seg", -1, b"x").to_bytes())
+
+
+def test_shm_mover_writes_into_a_registered_region_and_unlinks_on_close():
+    owner, writer = ShmMover(), ShmMover()
+    buf = owner.allocate(64, torch.device("cpu"))
+    handle = RegionHandle.from_bytes(owner.register(buf).to_bytes())
+    assert os.path.exists(f"/dev/shm/{handle.key}")
+    remote = writer.open_remote(handle)
+    assert writer.open_remote(handle) is remote  # cached
+    writer.write(torch.arange(8, dtype=torch.int32), remote, 16).wait()
+    assert torch.equal(buf[16:48].view(torch.int32), torch.arange(8, dtype=torch.int32))
+    with pytest.raises(ChannelError, match="only buffers it allocated"):
+        owner.register(torch.empty(8, dtype=torch.uint8))
+    with pytest.raises(ChannelError, match="refusing shm segment name"):
+        writer.open_remote(RegionHandle("shm", "x", 8, b"../etc/passwd"))
+    del buf
+    writer.close()
+    owner.close()
+    owner.close()
+    assert not os.path.exists(f"/dev/shm/{handle.key}")
+
+
+def test_auto_picks_shm_without_a_cuda_device_and_unknown_movers_are_refused():
+    mover = make_mover("auto", torch.device("cpu"))
+    assert isinstance(mover, ShmMover)
+    mover.close()
+    with pytest.raises(ChannelError, match="unknown mover 'rdma'"):
+        make_mover("rdma", None)
+
+
+# -------------------------------------------------------- two-process tests
+
+@pytest.mark.timeout(40)
+def test_round_trip_is_bit_exact_and_segments_are_unlinked():
+    with Ranks(echo_cases, [1]) as ranks:
+        with channel(0, ranks.store) as ch:
+            for i, (dtype, shape) in enumerate(CASES):
+                sent = make(dtype, shape, seed=i)
+                back = torch.full(shape, 7, dtype=dtype) if sent.numel() else torch.empty(shape, dtype=dtype)
+                send = ch.isend(sent, 1, microbatch=i, kind="fwd")
+                recv = ch.irecv(back, 1, microbatch=i, kind="bwd")
+                send.wait()
+                recv.wait()
+                assert send.done() and recv.done()
+                assert bits_equal(sent, back), f"{dtype} {shape} came back different"
+            assert my_segments()
+        assert my_segments() == []
+        registrations, leftover = ranks.results()[1]
+    assert registrations == sum(1 for dtype, shape in CASES if torch.empty(shape).numel())
+    assert leftover == []
+
+
+@pytest.mark.timeout(40)
+def test_receives_posted_ahead_keep_fifo_matching_both_directions():
+    with Ranks(interleave, [1], 24) as ranks:
+        with channel(0, ranks.store) as ch:
+            assert _interleave(ch, 0, 24) == []
+        assert ranks.results()[1] == []
+
+
+@pytest.mark.timeout(30)
+def test_repeated_receives_of_one_shape_reuse_one_registered_region():
+    with Ranks(same_shape_many, [1], 10) as ranks:
+        with channel(0, ranks.store) as ch:
+            for mb in range(10):
+                buf = torch.empty(64, 32)
+                ch.irecv(buf, 1, microbatch=mb, kind="bwd").wait()
+                assert torch.equal(buf, torch.full((64, 32), float(mb)))
+            assert ch.mover.registrations == 1
+        assert ranks.results()[1] == 0  # the sender registers nothing
+
+
+@pytest.mark.timeout(30)
+def test_header_mismatch_fails_both_sides_naming_both_stages():
+    with Ranks(send_wrong, [1]) as ranks:
+        with channel(0, ranks.store) as ch:
+            errors = []
+            for mb in (0, 1, 2):
+                try:
+                    ch.irecv(torch.empty(2, 3, 4), 1, microbatch=mb, kind="bwd").wait(10.0)
+                    errors.append("received")
+                except ChannelError as exc:
+                    assert not isinstance(exc, ChannelTimeout)
+                    errors.append(str(exc))
+            last = torch.empty(2, 3, 4)
+            ch.irecv(last, 1, microbatch=3, kind="bwd").wait(10.0)
+            assert torch.equal(last, torch.full((2, 3, 4), 9.0)), "the stream did not recover"
+        sender = ranks.results()[1]
+    prefix = ("stage 0 (group nvidia, rank 0) expected bwd microbatch {} float32[2, 3, 4] "
+              "from stage 1 (group amd, rank 1), received ")
+    expected = [prefix.format(0) + "bwd microbatch 0 float32[2, 3, 5]",
+                prefix.format(1) + "bwd microbatch 1 bfloat16[2, 3, 4]",
+                prefix.format(2) + "bwd microbatch 7 float32[2, 3, 4]"]
+    assert errors == expected  # the receiver's pending handles failed with the sender's words
+    assert sender == expected + ["sent"]  # the sender detected it
+
+
+@pytest.mark.timeout(30)
+def test_killed_peer_fails_pending_receive_naming_its_stage():
+    with Ranks(connect_then_idle, [1], 60.0) as ranks:
+        with channel(0, ranks.store) as ch:
+            pending = ch.irecv(torch.empty(64), 1, microbatch=0, kind="bwd")
+            ranks.procs[1].kill()
+            start = time.monotonic()
+            with pytest.raises(ChannelError) as info:
+                pending.wait(10.0)
+            assert time.monotonic() - start < 5.0
+            assert not isinstance(info.value, ChannelTimeout)
+            assert "connection to stage 1 (group amd, rank 1) lost" in str(info.value)
+            with pytest.raises(ChannelError, match="stage 1 .* lost"):
+                ch.isend(torch.ones(3), 1, microbatch=1, kind="fwd").wait(1.0)
+
+
+@pytest.mark.timeout(30)
+def test_silent_peer_times_out_at_the_deadline_and_close_is_prompt():
+    before = {t.ident for t in threading.enumerate()}
+    with Ranks(connect_then_idle, [1], 15.0) as ranks:
+        with channel(0, ranks.store, deadline=1.5) as ch:
+            pending = ch.irecv(torch.empty(2, 8), 1, microbatch=4, kind="bwd")
+            start = time.monotonic()
+            with pytest.raises(ChannelTimeout) as info:
+                pending.wait()
+            assert 1.4 <= time.monotonic() - start < 2.5
+            assert str(info.value) == ("stage 0 (group nvidia, rank 0) timed out after 1.5 s waiting to receive "
+                                       "bwd microbatch 4 float32[2, 8] from stage 1 (group amd, rank 1)")
+            start = time.monotonic()
+            ch.close()
+            ch.close()  # idempotent
+            assert time.monotonic() - start < 2.5
+            with pytest.raises(ChannelError, match="closed"):
+                pending.wait(0.1)
+            with pytest.raises(ChannelError, match="closed"):
+                ch.isend(torch.ones(1), 1, microbatch=0, kind="fwd")
+        assert "connection to stage 0 (group nvidia, rank 0) lost" in ranks.results()[1]
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("hetpipe-")]
+    assert left == []
+    assert my_segments() == []
+
+
+@pytest.mark.timeout(40)
+def test_wrong_token_is_refused_while_the_real_peer_still_connects():
+    with Ranks(echo_once, [1]) as ranks:
+        prefixed = dist.PrefixStore("hetpipe/direct", ranks.store)
+        _, endpoints = lookup_endpoints(prefixed, 1, 10.0)
+        half_open = socket.create_connection(endpoints[0], timeout=5.0)  # says nothing
+        rogue = socket.create_connection(endpoints[0], timeout=5.0)
+        rogue.sendall(encode_hello(0, 0, 1, "not-the-job-token"))
+        try:
+            reply = rogue.recv(REPLY_SIZE)
+            assert reply[:4] == b"HPCH" and reply[4] != 0, "a wrong token was accepted"
+            with pytest.raises(ChannelError, match="refused the connection: wrong job token"):
+                channel(0, ranks.store, token="also-wrong", deadline=5.0)
+            with channel(0, ranks.store) as ch:
+                back = torch.empty(4, 4)
+                ch.isend(torch.arange(16.0).reshape(4, 4), 1, microbatch=0, kind="fwd").wait()
+                ch.irecv(back, 1, microbatch=0, kind="bwd").wait()
+                assert torch.equal(back, 2 * torch.arange(16.0).reshape(4, 4))
+            assert ranks.results()[1] is True
+        finally:
+            half_open.close()
+            rogue.close()
