@@ -48,7 +48,9 @@ class GroupConfig:
 @dataclass
 class TransportConfig:
     # Channel for boundaries that cross vendors: tcp (CPU-forwarding), direct
-    # (device-direct), gloo (torch.distributed over gloo), auto (best available).
+    # (device-direct: CPU control plane, data through shared memory on CPU or
+    # CUDA/HIP IPC on GPUs, one host only), gloo (torch.distributed over gloo),
+    # auto (tcp until device-direct is verified on GPUs).
     kind: str = "auto"
     # Local addresses to stripe each message over (one per NIC).
     addresses: List[str] = field(default_factory=lambda: ["127.0.0.1"])

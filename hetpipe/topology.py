@@ -105,9 +105,11 @@ def check_group_vendor(cluster: ClusterConfig, group: GroupConfig) -> None:
 def check_transport_available(cluster: ClusterConfig) -> str:
     """The cross-vendor channel kind this release runs for ``transport.kind``."""
     kind = cluster.transport.kind
-    if kind == "direct":
-        raise ConfigError("cluster.transport.kind=direct: the device-direct channel is not part of "
-                          "this release yet; use tcp (CPU-forwarding) or gloo")
+    if kind == "direct" and not cluster.single_node:
+        raise ConfigError("cluster.transport.kind=direct moves data through shared memory or CUDA/HIP IPC, "
+                          "so both sides of a boundary must be on one host; the RDMA (verbs) mover is not "
+                          "implemented yet: use tcp across nodes")
+    # auto stays on the CPU-forwarding channel until device-direct is verified on GPUs.
     return "tcp" if kind == "auto" else kind
 
 
@@ -224,6 +226,7 @@ class Topology:
     def build_channels(self) -> dict[int, Channel]:
         """One channel per neighbour: the vendor group's own P2P inside a group,
         the configured cross-vendor channel across a vendor line."""
+        from hetpipe.comm.direct import DirectChannel
         from hetpipe.comm.gloo import GlooChannel
         from hetpipe.comm.p2p import TorchP2PChannel
         from hetpipe.comm.tcp import TcpChannel
@@ -238,7 +241,11 @@ class Topology:
             self.channels.update({r: channel for r in same})
         kind = check_transport_available(self.cluster)
         if cross:
-            if kind == "tcp":
+            if kind == "direct":
+                channel = DirectChannel(self.rank, cross, names, dist.distributed_c10d._get_default_store(),
+                                        token=token, deadline=t.deadline_s, device=self.device,
+                                        address=t.addresses[0])
+            elif kind == "tcp":
                 channel = TcpChannel(self.rank, cross, names, dist.distributed_c10d._get_default_store(),
                                      token=token, addresses=list(t.addresses),
                                      streams_per_address=t.streams_per_address,

@@ -40,7 +40,7 @@ def reference_8_layers(tmp_path_factory, shakespeare_prefix):
     return _train(tmp_path_factory.mktemp("ref8"), "single8", shakespeare_prefix, "model.num_layers=8")
 
 
-@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+@pytest.mark.parametrize("transport", ["tcp", "gloo", "direct"])
 def test_pp2_across_vendors_is_bitwise_single_process(tmp_path, shakespeare_prefix, reference, transport):
     got = _train(tmp_path, transport, shakespeare_prefix, "cluster=cpu_mixed",
                  f"cluster.transport.kind={transport}", "partition.layers=[1,3]")
