@@ -121,6 +121,7 @@ def worker(rank: int, port: int, opts: dict, results) -> None:
 
 def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, float]]:
     # Imported here so `--help` stays fast and the parent never builds a channel.
+    from hetpipe.comm.direct import DirectChannel
     from hetpipe.comm.gloo import GlooChannel
     from hetpipe.comm.p2p import TorchP2PChannel
     from hetpipe.comm.tcp import TcpChannel
@@ -143,11 +144,15 @@ def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, floa
 
     transports = [("tcp", 1, tcp(addresses[:1], 1)),
                   ("tcp", len(addresses) * streams, tcp(addresses, streams)),
+                  ("direct", 1, lambda: DirectChannel(rank, [1 - rank], names, dist.PrefixStore("direct", store),
+                                                      opts["token"], deadline=120.0, device=device,
+                                                      address=addresses[0])),
                   ("gloo", 1, lambda: GlooChannel(rank, [1 - rank], names, None, deadline=120.0))]
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     if two_gpus:
         nccl = dist.new_group([0, 1], backend="nccl")
-        transports.append(("nccl-p2p", 1, lambda: TorchP2PChannel(rank, [1 - rank], names, nccl, deadline=120.0)))
+        transports.append(("nccl-p2p", 1, lambda: TorchP2PChannel(rank, [1 - rank], names,
+                                                                  {(0, 1): nccl, (1, 0): nccl}, deadline=120.0)))
     rows = []
     for transport, nstreams, make in transports:
         channel = make()
