@@ -52,7 +52,7 @@ from hetpipe.comm.channel import (
     header_for,
 )
 from hetpipe.comm.movers import Landing, Mover, RegionHandle, make_mover
-from hetpipe.comm.tcp import _MAX_TOKEN_BYTES, SocketRendezvous, _recv_exact
+from hetpipe.comm.tcp import MAX_TOKEN_BYTES, SocketRendezvous, recv_exact
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,8 @@ class DirectChannel(Channel, SocketRendezvous):
         super().__init__(rank, peers, names, deadline)
         if not token:
             raise ChannelError("DirectChannel needs a non-empty job token")
-        if len(token.encode()) > _MAX_TOKEN_BYTES:
-            raise ChannelError(f"job token is longer than {_MAX_TOKEN_BYTES} bytes")
+        if len(token.encode()) > MAX_TOKEN_BYTES:
+            raise ChannelError(f"job token is longer than {MAX_TOKEN_BYTES} bytes")
         self.device = torch.device(device) if device is not None else None
         self.addresses = [address]
         self.streams_per_address = 1
@@ -308,7 +308,7 @@ class DirectChannel(Channel, SocketRendezvous):
         head = bytearray(_MSG.size)
         try:
             while True:
-                got = _recv_exact(peer.sock, memoryview(head))
+                got = recv_exact(peer.sock, memoryview(head))
                 if got == 0:
                     raise ChannelError(f"connection to {peer.name} lost: the peer closed the connection")
                 if got < _MSG.size:
@@ -318,7 +318,7 @@ class DirectChannel(Channel, SocketRendezvous):
                     raise ChannelError(f"{peer.name} sent a malformed control message (type {kind}, "
                                        f"{length} bytes): the stream is out of step")
                 payload = bytearray(length)
-                if _recv_exact(peer.sock, memoryview(payload)) < length:
+                if recv_exact(peer.sock, memoryview(payload)) < length:
                     raise ChannelError(f"connection to {peer.name} closed mid-message")
                 if kind == _READY:
                     self._on_ready(peer, seq, bytes(payload))

@@ -70,7 +70,7 @@ REPLY_SIZE = _REPLY.size
 _ACCEPT, _REFUSE_TOKEN, _REFUSE_UNEXPECTED = 0, 1, 2
 ACCEPTED_REPLY = _REPLY.pack(MAGIC, _ACCEPT)
 
-_MAX_TOKEN_BYTES = 4096
+MAX_TOKEN_BYTES = 4096
 # A connection that has not finished its hello by then is dropped, so a
 # half-open or silent client cannot hold an acceptor slot forever.
 _HANDSHAKE_SECONDS = 10.0
@@ -131,7 +131,7 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> int:
+def recv_exact(sock: socket.socket, view: memoryview) -> int:
     """Fill ``view``; return how many bytes arrived before EOF (len(view) when complete)."""
     got = 0
     while got < len(view):
@@ -342,7 +342,7 @@ class SocketRendezvous:
             sock.settimeout(max(until - time.monotonic(), 0.001))
             sock.sendall(encode_hello(self.rank, stream, self.nstreams, self._token.decode()))
             reply = bytearray(REPLY_SIZE)
-            got = _recv_exact(sock, memoryview(reply))
+            got = recv_exact(sock, memoryview(reply))
         except socket.timeout as exc:
             raise ChannelTimeout(f"{self.name} timed out in the handshake with {peer_name}") from exc
         except OSError as exc:
@@ -380,8 +380,8 @@ class TcpChannel(Channel, SocketRendezvous):
         super().__init__(rank, peers, names, deadline)
         if not token:
             raise ChannelError("TcpChannel needs a non-empty job token")
-        if len(token.encode()) > _MAX_TOKEN_BYTES:
-            raise ChannelError(f"job token is longer than {_MAX_TOKEN_BYTES} bytes")
+        if len(token.encode()) > MAX_TOKEN_BYTES:
+            raise ChannelError(f"job token is longer than {MAX_TOKEN_BYTES} bytes")
         if not addresses:
             raise ChannelError("TcpChannel needs at least one local address")
         if streams_per_address < 1:
@@ -569,7 +569,7 @@ class TcpChannel(Channel, SocketRendezvous):
         head = bytearray(HEADER_SIZE)
         try:
             while True:
-                got = _recv_exact(link.sock, memoryview(head))
+                got = recv_exact(link.sock, memoryview(head))
                 if got == 0:
                     # A peer closes all its connections at once, but their
                     # EOFs race with data still buffered on sibling
@@ -597,7 +597,7 @@ class TcpChannel(Channel, SocketRendezvous):
                                        f"after announcing {op.npieces}: the stream is out of step")
                 op.npieces = header.npieces
                 if error is None:
-                    got = _recv_exact(link.sock, op.view[header.offset:header.offset + header.length])
+                    got = recv_exact(link.sock, op.view[header.offset:header.offset + header.length])
                 else:
                     got = _drain(link.sock, header.length)
                 if got < header.length:
@@ -791,7 +791,7 @@ class _Acceptor(threading.Thread):
         if len(buf) < _HELLO.size:
             return
         magic, version, rank, stream, nstreams, token_len = _HELLO.unpack(buf[:_HELLO.size])
-        if magic != MAGIC or version != VERSION or token_len > _MAX_TOKEN_BYTES:
+        if magic != MAGIC or version != VERSION or token_len > MAX_TOKEN_BYTES:
             self._drop(conn, sel, pending)  # not a hetpipe peer (or a garbage one)
             return
         if len(buf) < _HELLO.size + token_len:
