@@ -21,7 +21,7 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -262,6 +262,10 @@ class Channel(ABC):
         self.peers = sorted(set(peers))
         self.names = dict(names)
         self.deadline = float(deadline)
+        # Set by close(); posting on a closed channel is an error, not a hang.
+        self._closed = False
+        # Per-peer transfer state of the channels that keep any (rank -> state).
+        self._peers: dict[int, Any] = {}
         if rank in self.peers:
             raise ChannelError(f"{self.name_of(rank)} lists itself among its channel peers")
         if self.deadline <= 0:
@@ -278,6 +282,17 @@ class Channel(ABC):
         if peer not in self.peers:
             raise ChannelError(f"{self.name} has no channel to {self.name_of(peer)} "
                                f"(peers: {', '.join(self.name_of(p) for p in self.peers) or 'none'})")
+
+    def check_open(self, peer: int) -> None:
+        """Refuse posting on a closed channel or to a rank that is not a peer."""
+        if self._closed:
+            raise ChannelError(f"{self.name}'s channel is closed")
+        self.check_peer(peer)
+
+    def _posting_peer(self, peer: int) -> Any:
+        """The per-peer state a new transfer to or from ``peer`` is queued on."""
+        self.check_open(peer)
+        return self._peers[peer]
 
     def send_action(self, header: FrameHeader, peer: int) -> str:
         return f"send {header.describe()} to {self.name_of(peer)}"

@@ -181,7 +181,6 @@ class DirectChannel(Channel, SocketRendezvous):
         self.nstreams = 1  # one control connection per peer pair
         self._token = token.encode()
         self._lock = threading.Lock()
-        self._closed = False
         self._closing = False
         self.mover = mover if isinstance(mover, Mover) else make_mover(mover, self.device)
         self._cache = _BufferCache(self.mover)
@@ -250,12 +249,6 @@ class DirectChannel(Channel, SocketRendezvous):
             state.out.put(("send", _message(_READY, header.seq,
                                             _OFFSET.pack(0) + encode_header(header) + region)))
         return op.handle
-
-    def _posting_peer(self, peer: int) -> _Peer:
-        if self._closed:
-            raise ChannelError(f"{self.name}'s channel is closed")
-        self.check_peer(peer)
-        return self._peers[peer]
 
     # ------------------------------------------------------------- threads
 

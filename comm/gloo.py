@@ -96,7 +96,6 @@ class GlooChannel(Channel):
             raise ChannelError(f"GlooChannel needs a gloo process group, got backend {backend!r}")
         self.group = group
         self._lock = threading.Lock()
-        self._closed = False
         self._peers = {p: _Peer(p, self.name_of(p)) for p in self.peers}
         for state in self._peers.values():
             for target, role in ((self._receive_loop, "recv"), (self._send_loop, "send")):
@@ -151,12 +150,6 @@ class GlooChannel(Channel):
             state.recvs.append(_Recv(header, target, handle))
             state.cond.notify_all()
         return handle
-
-    def _posting_peer(self, peer: int) -> _Peer:
-        if self._closed:
-            raise ChannelError(f"{self.name}'s channel is closed")
-        self.check_peer(peer)
-        return self._peers[peer]
 
     def _send_loop(self, peer: _Peer) -> None:
         while True:

@@ -95,7 +95,6 @@ class TorchP2PChannel(Channel):
         if not dist.is_initialized():
             raise ChannelError("TorchP2PChannel needs torch.distributed to be initialized")
         self.groups = groups or {}
-        self._closed = False
 
     def isend(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
         self._check(tensor, peer, kind)
@@ -112,9 +111,7 @@ class TorchP2PChannel(Channel):
                                  f"from {self.name_of(peer)}")
 
     def _check(self, tensor: torch.Tensor, peer: int, kind: str) -> None:
-        if self._closed:
-            raise ChannelError(f"{self.name}'s channel is closed")
-        self.check_peer(peer)
+        self.check_open(peer)
         check_kind(kind)
         if not tensor.is_contiguous():
             raise ChannelError(f"{self.name} can only move contiguous tensors (shape {list(tensor.shape)}, "

@@ -391,7 +391,6 @@ class TcpChannel(Channel, SocketRendezvous):
         self.nstreams = len(self.addresses) * self.streams_per_address
         self._token = token.encode()
         self._lock = threading.Lock()
-        self._closed = False
         self._closing = False
         self._peers = {p: _Peer(p, self.name_of(p)) for p in self.peers}
         self._pool = _PinnedPool()
@@ -485,12 +484,6 @@ class TcpChannel(Channel, SocketRendezvous):
             state.recvs[header.seq] = op
             state.cond.notify_all()
         return op.handle
-
-    def _posting_peer(self, peer: int) -> _Peer:
-        if self._closed:
-            raise ChannelError(f"{self.name}'s channel is closed")
-        self.check_peer(peer)
-        return self._peers[peer]
 
     def _stage_out(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Copy a GPU tensor to pinned host memory on a side stream (not exercised in CI)."""

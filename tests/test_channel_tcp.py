@@ -6,17 +6,14 @@ plays stage 1. Every wait is bounded; the whole file stays under a minute.
 """
 from __future__ import annotations
 
-import multiprocessing
 import socket
 import struct
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from channel_harness import NAMES, Ranks, bits_equal, make
 from conftest import REPO, run_cli
 from hetpipe.comm.channel import (
     HEADER_SIZE,
@@ -39,8 +36,6 @@ from hetpipe.comm.tcp import (
     split_pieces,
 )
 
-CTX = multiprocessing.get_context("spawn")
-NAMES = {0: "stage 0 (group nvidia, rank 0)", 1: "stage 1 (group amd, rank 1)", 2: "stage 2 (group amd, rank 2)"}
 TOKEN = "job-3141-secret"
 LOOPBACKS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
@@ -56,63 +51,6 @@ CASES = [
     (torch.bool, (9, 2)),
     (torch.float32, (4 * 1024 * 1024,)),
 ]
-
-
-def make(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=g) * 100).to(dtype)
-    return torch.randint(0, 250, shape, generator=g).to(dtype)
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-# ----------------------------------------------------------- process harness
-
-def _child(target, rank: int, port: int, results, args: tuple) -> None:
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
-        results.put((rank, "ok", target(rank, store, *args)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-class Ranks:
-    """A TCPStore hosted here plus one spawned process per rank running ``target(rank, store, *args)``."""
-
-    def __init__(self, target, ranks: list[int], *args, timeout: float = 15.0) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout))
-        self.timeout = timeout
-        self.queue = CTX.Queue()
-        self.procs = {r: CTX.Process(target=_child, args=(target, r, self.store.port, self.queue, args), daemon=True)
-                      for r in ranks}
-
-    def __enter__(self) -> "Ranks":
-        for proc in self.procs.values():
-            proc.start()
-        return self
-
-    def results(self) -> dict[int, object]:
-        out: dict[int, object] = {}
-        until = time.monotonic() + self.timeout
-        while len(out) < len(self.procs):
-            rank, status, value = self.queue.get(timeout=max(until - time.monotonic(), 0.1))
-            assert status == "ok", f"rank {rank} failed:\n{value}"
-            out[rank] = value
-        return out
-
-    def __exit__(self, *exc: object) -> None:
-        for proc in self.procs.values():
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
 
 
 def channel(rank: int, store, peers: list[int] | None = None, **kw) -> TcpChannel:
