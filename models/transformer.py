@@ -21,6 +21,7 @@ from torch import nn
 from hetpipe.errors import ConfigError
 from hetpipe.models.config import ModelConfig
 from hetpipe.models.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inverse_frequencies
+from hetpipe.models.loss import fused_linear_cross_entropy
 
 
 def unit_generator(seed: int, unit: int, device: torch.device) -> torch.Generator:
@@ -64,9 +65,22 @@ class Head(nn.Module):
         return F.linear(self.norm(x), self.output_weight)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over all positions, computed in fp32."""
-        logits = self.logits(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        """Mean next-token cross-entropy over all positions (labels of -100 are
+        skipped), computed in fp32 without materialising the whole microbatch's
+        logits (see :mod:`hetpipe.models.loss`).
+
+        A custom autograd Function gets no autocast, so the projection's dtype
+        is decided here: autocast's dtype when it is on (bf16 on GPU), else the
+        activations' dtype.
+        """
+        h = self.norm(x)
+        device_type = h.device.type
+        if torch.is_autocast_enabled(device_type):
+            compute_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            compute_dtype = h.dtype
+        return fused_linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
+                                          compute_dtype=compute_dtype)
 
 
 class CausalLM(nn.Module):

@@ -1,0 +1,163 @@
+"""Output projection + cross-entropy without a [tokens, vocab] fp32 logit tensor.
+
+With LLaMA-3's 128256-token vocabulary, one microbatch of 8192 tokens has
+4.2 GB of fp32 logits, plus the bf16 logits autocast produces, the saved
+log-softmax and their gradients: several times the memory of a decoder layer's
+activations, all of it on the last pipeline stage. :func:`fused_linear_cross_entropy`
+processes the tokens in chunks instead, and for each chunk computes the
+logits, the loss *and* the gradients (softmax - one-hot) straight away, so the
+logits of one chunk are all that ever exists. The gradients with respect to the
+hidden states and the projection weight are kept from the forward pass, and
+backward only scales them by the incoming gradient. Peak extra memory is
+O(chunk_tokens x vocab) plus one gradient buffer the size of the weight.
+
+This is the idea of Liger-Kernel's fused linear cross-entropy
+(https://github.com/linkedin/Liger-Kernel, ``LigerFusedLinearCrossEntropyFunction``;
+Hsu et al., "Liger Kernel: Efficient Triton Kernels for LLM Training", 2024),
+written here in plain PyTorch ops: the GEMMs dominate, and cuBLAS runs those.
+
+Precision: the logit GEMMs run in ``compute_dtype`` (bf16 under autocast on a
+GPU, the inputs' dtype otherwise); log-softmax, the loss and the softmax
+gradient are fp32; the weight gradient accumulates over chunks in fp32 and is
+returned in the dtype of the weight given (fp32 master weights get an fp32
+gradient, not a bf16-rounded one).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# Budget for one chunk's fp32 logits when chunk_tokens is not given.
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+IGNORE_INDEX = -100
+
+
+def auto_chunk_tokens(num_tokens: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits fit ``budget_bytes`` (at least 1)."""
+    return max(1, min(num_tokens, budget_bytes // (vocab_size * 4)))
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """loss = mean over non-ignored tokens of CE(hidden @ weight.T, labels).
+
+    Gradients are computed in :meth:`forward`; :meth:`backward` multiplies the
+    saved ones by ``grad_output`` in place, so the graph can be backpropagated
+    once (a second backward through it raises).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                chunk_tokens: int, compute_dtype: torch.dtype, ignore_index: int,
+                want_hidden_grad: bool, want_weight_grad: bool) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, grad_hidden, grad_weight = _forward_and_grads(
+                hidden, weight, labels, chunk_tokens, compute_dtype, ignore_index,
+                want_hidden_grad, want_weight_grad)
+        ctx.has_hidden_grad = grad_hidden is not None
+        ctx.has_weight_grad = grad_weight is not None
+        saved = [g for g in (grad_hidden, grad_weight) if g is not None]
+        ctx.save_for_backward(*saved)
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        if ctx.used:
+            raise RuntimeError("fused_linear_cross_entropy: its gradients were already consumed by an earlier "
+                               "backward (retain_graph=True is not supported)")
+        ctx.used = True
+        saved = list(ctx.saved_tensors)
+        grad_hidden = saved.pop(0) if ctx.has_hidden_grad else None
+        grad_weight = saved.pop(0) if ctx.has_weight_grad else None
+        # In place: the buffers belong to this graph node alone.
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_output.to(grad.dtype))
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                       compute_dtype: torch.dtype, ignore_index: int, want_hidden_grad: bool,
+                       want_weight_grad: bool):
+    num_tokens = hidden.shape[0]
+    labels = labels.to(hidden.device)
+    valid = labels != ignore_index
+    # Mean over the tokens that count, like F.cross_entropy (NaN if none do).
+    count = valid.sum().to(torch.float32)
+    inv_count = 1.0 / count.clamp(min=1.0)
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+
+    w = weight.to(compute_dtype)  # a no-op when the weight already is in compute_dtype
+    need_grads = want_hidden_grad or want_weight_grad
+    grad_hidden = torch.empty_like(hidden) if want_hidden_grad else None
+    grad_weight = None
+    if want_weight_grad:
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+
+    for start in range(0, num_tokens, chunk_tokens):
+        stop = min(start + chunk_tokens, num_tokens)
+        h = hidden[start:stop].to(compute_dtype)
+        logits = h @ w.t()                        # [n, V] in compute_dtype
+        scores = logits.float()                   # fp32 (the same tensor when already fp32)
+        del logits
+        target = safe_labels[start:stop].unsqueeze(1)
+        chunk_valid = valid[start:stop]
+        lse = torch.logsumexp(scores, dim=-1)
+        target_score = scores.gather(1, target).squeeze(1)
+        loss_sum += torch.where(chunk_valid, lse - target_score, torch.zeros_like(lse)).sum()
+        if not need_grads:
+            continue
+        # d(mean CE)/d(logits) = (softmax - onehot) / count, zero on ignored rows; in place.
+        probs = scores.sub_(lse.unsqueeze(1)).exp_()
+        probs.scatter_add_(1, target, torch.full_like(target_score, -1.0).unsqueeze(1))
+        probs.mul_((chunk_valid.to(torch.float32) * inv_count).unsqueeze(1))
+        grad_logits = probs.to(compute_dtype)
+        del scores, probs
+        if grad_hidden is not None:
+            grad_hidden[start:stop] = grad_logits @ w
+        if grad_weight is not None:
+            if compute_dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), h)
+            else:
+                # The low-precision GEMM's own accumulation is fp32; the sum
+                # over chunks is kept in fp32 too.
+                grad_weight += grad_logits.t() @ h
+        del grad_logits
+
+    loss = loss_sum / count
+    if grad_weight is not None and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    return loss, grad_hidden, grad_weight
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               chunk_tokens: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
+                               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden [N, h] @ weight[V, h].T`` against ``labels [N]``.
+
+    Equals ``F.cross_entropy(F.linear(hidden, weight).float(), labels,
+    ignore_index=ignore_index)`` (mean over the non-ignored tokens; NaN if all
+    are ignored) without materialising the [N, V] logits: tokens go through in
+    chunks of ``chunk_tokens`` (default: as many as keep one chunk's fp32
+    logits within 256 MiB). ``compute_dtype`` is the dtype of the logit GEMMs
+    (default: ``hidden``'s); the function runs with autocast disabled, so the
+    caller chooses it (see ``Head.forward``). Gradients come back in the dtypes
+    of ``hidden`` and ``weight``.
+    """
+    if hidden.ndim != 2 or weight.ndim != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"fused_linear_cross_entropy wants hidden [N, h], weight [V, h], labels [N]; got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[1]} != weight's {weight.shape[1]}")
+    if chunk_tokens is None:
+        chunk_tokens = auto_chunk_tokens(hidden.shape[0], weight.shape[0])
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be positive")
+    compute_dtype = compute_dtype or hidden.dtype
+    grad_on = torch.is_grad_enabled()
+    return FusedLinearCrossEntropy.apply(
+        hidden, weight, labels, int(chunk_tokens), compute_dtype, int(ignore_index),
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad)

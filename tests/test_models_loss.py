@@ -1,0 +1,146 @@
+"""The chunked fused output-projection + cross-entropy against the plain formula."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetpipe.models import ModelConfig, build_model
+from hetpipe.models.loss import auto_chunk_tokens, fused_linear_cross_entropy
+
+
+def _close(got, ref, rel=1e-6):
+    """Relative to the tensor's scale: elementwise within rel * max|ref| (a
+    gradient entry near zero is a sum that cancels, so its own relative error
+    means nothing), and normwise within rel."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(got, ref, rtol=rel, atol=rel * scale)
+    assert (got - ref).norm().item() <= rel * ref.norm().item() + 1e-30
+
+
+def _inputs(n=37, h=24, v=97, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen, dtype=dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=gen, dtype=dtype) * 0.3).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    return hidden, weight, labels
+
+
+def _reference(hidden, weight, labels, **kwargs):
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    loss = F.cross_entropy(F.linear(h, w).float(), labels, **kwargs)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _ours(hidden, weight, labels, scale=1.0, **kwargs):
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(h, w, labels, **kwargs)
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 5, 8, 36, 37, 100])
+def test_matches_cross_entropy_fp32(chunk):
+    hidden, weight, labels = _inputs()
+    ref = _reference(hidden, weight, labels)
+    got = _ours(hidden, weight, labels, chunk_tokens=chunk)
+    for r, g in zip(ref, got):
+        _close(g, r)
+
+
+@pytest.mark.parametrize("chunk", [3, 16])
+def test_ignore_index_is_mean_over_the_rest(chunk):
+    hidden, weight, labels = _inputs()
+    labels = labels.clone()
+    labels[::3] = -100
+    ref = _reference(hidden, weight, labels)
+    got = _ours(hidden, weight, labels, chunk_tokens=chunk)
+    for r, g in zip(ref, got):
+        _close(g, r)
+
+
+def test_backward_scales_by_grad_output():
+    hidden, weight, labels = _inputs()
+    _, gh, gw = _ours(hidden, weight, labels, chunk_tokens=7)
+    _, gh3, gw3 = _ours(hidden, weight, labels, scale=0.25, chunk_tokens=7)
+    torch.testing.assert_close(gh3, gh * 0.25, rtol=1e-6, atol=0)
+    torch.testing.assert_close(gw3, gw * 0.25, rtol=1e-6, atol=0)
+
+
+def test_second_backward_refuses():
+    hidden, weight, labels = _inputs()
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_tokens=8)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already consumed"):
+        loss.backward()
+
+
+def test_no_grad_and_frozen_weight():
+    hidden, weight, labels = _inputs()
+    ref, ref_gh, _ = _reference(hidden, weight, labels)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_tokens=8)
+    assert not loss.requires_grad
+    _close(loss, ref)
+    h = hidden.detach().clone().requires_grad_(True)
+    fused_linear_cross_entropy(h, weight.detach(), labels, chunk_tokens=8).backward()
+    _close(h.grad, ref_gh)
+
+
+def test_bf16_autocast_on_cpu_through_the_head():
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, vocab_size=300,
+                      max_position_embeddings=64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+
+    def run(fused: bool):
+        model = build_model(cfg, seed=5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                loss = model(tokens, labels)
+            else:  # the pre-fusion head: autocast's bf16 linear, then fp32 CE
+                x = model.embedding(tokens)
+                from hetpipe.models.layers import rope_cos_sin
+                cos, sin = rope_cos_sin(model.inv_freq, x.shape[1], x.dtype)
+                for layer in model.layers.values():
+                    x = layer(x, cos, sin)
+                loss = F.cross_entropy(model.head.logits(x).float().flatten(0, 1), labels.flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = run(True)
+    ref_loss, ref_grads = run(False)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    for name, ref in ref_grads.items():
+        assert grads[name].dtype == torch.float32, name
+        torch.testing.assert_close(grads[name], ref, rtol=5e-2, atol=2e-3, msg=name)
+
+
+def test_bf16_compute_dtype_with_fp32_inputs():
+    hidden, weight, labels = _inputs(n=64, h=32, v=200)
+    ref = _reference(hidden, weight, labels)
+    got = _ours(hidden, weight, labels, chunk_tokens=10, compute_dtype=torch.bfloat16)
+    for r, g in zip(ref, got):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=3e-2, atol=3e-3)
+
+
+def test_auto_chunk_size():
+    assert auto_chunk_tokens(8192, 128256) == 523          # 256 MiB of fp32 logits per chunk
+    assert auto_chunk_tokens(4096, 512) == 4096            # a tiny model: one chunk
+    assert auto_chunk_tokens(10, 10**12) == 1
+
+
+def test_model_loss_matches_plain_head_fp32():
+    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, vocab_size=300,
+                      max_position_embeddings=64)
+    model = build_model(cfg, seed=1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    loss = model(tokens, labels)
+    logits = model(tokens)
+    ref = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
