@@ -38,6 +38,8 @@ class TrainConfig:
     log_interval: int = 10
     # Dense peak TFLOP/s for MFU; None takes the device catalog's figure.
     peak_tflops: Optional[float] = None
+    # torch.compile each decoder layer (one graph shared by all layers).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval"):

@@ -42,6 +42,40 @@ class PipelineEngine:
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.pipeline_size + self.rank
 
+    def warm_up(self, microbatch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Run one forward and backward of every chunk with no communication,
+        then drop the gradients, so that every compute kernel of a step is
+        loaded before any boundary transfer is in flight.
+
+        CUDA loads kernels lazily (``CUDA_MODULE_LOADING=LAZY``, the default
+        since CUDA 12.2), and loading one may synchronise the context. A
+        receive posted ahead on an NCCL/RCCL boundary is a kernel that spins on
+        the GPU until the peer sends; if this rank then runs a kernel for the
+        first time, the load waits for the spinning receive while the peer
+        waits for this rank: the first step deadlocks. This is the hang that
+        same-vendor NCCL boundaries showed on 2xH200 (docs/benchmarks.md).
+        The weights and optimizer are untouched; only ``.grad`` is reset.
+        """
+        tokens, labels = microbatch
+        for c, chunk in enumerate(self.chunks):
+            v = self.virtual_stage(c)
+            if v == 0:
+                x = tokens.to(self.device)
+            else:
+                x = torch.zeros(self.activation_shape, dtype=self.activation_dtype, device=self.device,
+                                requires_grad=True)
+            is_last = v == self.num_virtual - 1
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                out = chunk(x, labels.to(self.device) if is_last else None)
+            if is_last:
+                out.backward()
+            else:
+                out.backward(torch.zeros_like(out))
+            for p in chunk.parameters():
+                p.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
         """Forward and backward every microbatch; gradients accumulate in the chunks.
 

@@ -8,7 +8,9 @@ convention). GPUs run bf16 autocast over fp32 master weights; CPUs run fp32.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from pathlib import Path
 from typing import Sequence
@@ -129,6 +131,10 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     P = plan.pipeline_size
     my_stages = [c * P + topo.rank for c in range(plan.num_chunks)]
     chunks = [build_model(cfg.model, seed=t.seed, units=ranges[v], device=device) for v in my_stages]
+    if t.compile:
+        for chunk in chunks:
+            for layer in chunk.layers.values():
+                layer.compile()
     actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.rank]
     engine = PipelineEngine(chunks, actions, channels, rank=topo.rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
@@ -158,6 +164,12 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
               f"{loader.num_microbatches} microbatches/step, {loader.tokens_per_step} tokens/step, "
               f"run dir {run_dir}", flush=True)
 
+    if device.type == "cuda" and topo.world_size > 1 and not os.environ.get("HETPIPE_SKIP_WARMUP"):
+        # Load every kernel before any receive is posted ahead (see warm_up;
+        # HETPIPE_SKIP_WARMUP=1 is for reproducing the deadlock it prevents).
+        shape = (t.micro_batch_size, t.seq_length)
+        engine.warm_up((torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)))
+
     losses = []
     try:
         for step in range(start, t.train_iters):
@@ -181,4 +193,16 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     finally:
         if logger is not None:
             logger.close()
+        if device.type == "cuda":
+            _write_peak_memory(run_dir, topo.rank, device)
     return [float(x) for x in losses]
+
+
+def _write_peak_memory(run_dir: Path, rank: int, device: torch.device) -> None:
+    """Each GPU rank's peak memory, for benchmark reports (``memory_rank<r>.json``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    gib = 2**30
+    record = {"rank": rank, "device": str(device),
+              "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+    (run_dir / f"memory_rank{rank}.json").write_text(json.dumps(record) + "\n")
