@@ -19,6 +19,10 @@
 #   HOMOGENEOUS_B="cluster=gpu2_homogeneous cluster.emulate=true cluster.groups.0.name=amd cluster.groups.0.vendor=amd" \
 #   MIXED="cluster=gpu2_mixed" RTOL=0 \
 #   scripts/parity_experiment.sh runs/parity_gpu train.train_iters=200 train.seq_length=1024
+# MODEL picks the model preset (default +model=tiny_llama; its fields can be
+# overridden like any other, e.g. model.num_layers=8).
+# EXTRA_RUNS adds more runs to the comparison, ';'-separated NAME=OVERRIDES,
+# e.g. EXTRA_RUNS="mixed_direct=cluster=gpu2_mixed cluster.transport.kind=direct"
 set -euo pipefail
 if [[ $# -lt 1 || $1 == -* ]]; then
   echo "usage: $0 OUT_DIR [hydra overrides]" >&2
@@ -33,7 +37,7 @@ read -ra mixed <<<"${MIXED:-cluster=cpu_mixed cluster.transport.kind=tcp}"
 # Small enough for two CPU cores (about 25 s for all three); the caller's
 # overrides come last and win. partition.layers is fixed so the split is the
 # same in all three runs and only the transport (and the vendor labels) differ.
-common=(+model=tiny_llama train.train_iters=30 train.seq_length=64 train.micro_batch_size=2
+common=("${MODEL:-+model=tiny_llama}" train.train_iters=30 train.seq_length=64 train.micro_batch_size=2
         train.global_batch_size=8 train.log_interval=10 "partition.layers=[2,2]")
 
 extra=("$@")
@@ -47,6 +51,19 @@ train() {  # train NAME CLUSTER_OVERRIDES...
 train homogeneous_a "${homogeneous_a[@]}"
 train homogeneous_b "${homogeneous_b[@]}"
 train mixed "${mixed[@]}"
+runs=("$out/homogeneous_a" "$out/homogeneous_b" "$out/mixed")
+if [[ -n ${EXTRA_RUNS:-} ]]; then
+  IFS=';' read -ra extra_runs <<<"$EXTRA_RUNS"
+  for spec in "${extra_runs[@]}"; do
+    name=${spec%%=*}
+    read -ra overrides <<<"${spec#*=}"
+    if [[ -z $name || $name == "$spec" ]]; then
+      echo "EXTRA_RUNS entry '$spec' is not NAME=OVERRIDES" >&2
+      exit 2
+    fi
+    train "$name" "${overrides[@]}"
+    runs+=("$out/$name")
+  done
+fi
 echo "== loss curves"
-exec "$py" -m hetpipe.compare "$out/homogeneous_a" "$out/homogeneous_b" "$out/mixed" \
-  --rtol "${RTOL:-0}" --out "$out"
+exec "$py" -m hetpipe.compare "${runs[@]}" --rtol "${RTOL:-0}" --out "$out"

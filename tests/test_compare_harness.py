@@ -211,10 +211,11 @@ log.close()
 
 
 def _parity(out, data):
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0",
+               EXTRA_RUNS="mixed_direct=cluster=cpu_mixed cluster.transport.kind=direct")
     return subprocess.run(["bash", str(REPO / "scripts" / "parity_experiment.sh"), str(out), *TINY,
                            f"data.path={data}"],
-                          cwd=REPO, env=env, text=True, capture_output=True, timeout=150)
+                          cwd=REPO, env=env, text=True, capture_output=True, timeout=200)
 
 
 @pytest.fixture(scope="module")
@@ -223,22 +224,25 @@ def parity(tmp_path_factory, shakespeare_prefix):
     return out, _parity(out, shakespeare_prefix)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_parity_script_gives_bitwise_identical_curves_on_cpu(parity):
     out, proc = parity
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdicts = {line.split()[0]: line for line in proc.stdout.splitlines()
-                if line.startswith(("homogeneous_b ", "mixed "))}
-    assert set(verdicts) == {"homogeneous_b", "mixed"}
+                if line.startswith(("homogeneous_b ", "mixed ", "mixed_direct "))}
+    assert set(verdicts) == {"homogeneous_b", "mixed", "mixed_direct"}
     assert all(line.endswith("PASS (bitwise identical)") for line in verdicts.values())
     assert (out / "compare.png").read_bytes().startswith(PNG_MAGIC)
     assert "| mixed | 10 | 0 |" in (out / "compare.md").read_text()
     # The three runs really were the three layouts the experiment claims.
     plans = {name: yaml.safe_load((out / name / "plan.yaml").read_text())
-             for name in ("homogeneous_a", "homogeneous_b", "mixed")}
+             for name in ("homogeneous_a", "homogeneous_b", "mixed", "mixed_direct")}
     assert [s["group"] for s in plans["homogeneous_a"]["stages"]] == ["nvidia", "nvidia"]
     assert [s["group"] for s in plans["homogeneous_b"]["stages"]] == ["amd", "amd"]
     assert [s["group"] for s in plans["mixed"]["stages"]] == ["nvidia", "amd"]
+    assert [s["group"] for s in plans["mixed_direct"]["stages"]] == ["nvidia", "amd"]
+    direct = yaml.safe_load((out / "mixed_direct" / "config.yaml").read_text())
+    assert direct["cluster"]["transport"]["kind"] == "direct"
     assert all([s["layers"] for s in p["stages"]] == [2, 2] for p in plans.values())
 
 
