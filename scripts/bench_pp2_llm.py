@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Two-GPU pipeline benchmark of a full-size model: every boundary variant in one run.
+
+Trains LLaMA-3-8B (or Qwen2-7B) with PP=2 on the two local GPUs, once per
+variant, each through the user's entry point (``python -m hetpipe.pretrain``):
+
+  nccl     both GPUs in one NVIDIA group; the boundary is NCCL (the reference)
+  direct   second GPU declared amd; device-direct channel (CUDA IPC mover)
+  tcp4     second GPU declared amd; CPU-forwarding channel, 4 TCP streams
+  tcp1     the same with 1 stream
+  gloo     the boundary over torch.distributed's gloo (host staging)
+  peer     the same model, split, data, microbatches and precision through
+           PyTorch's torch.distributed.pipelining Schedule1F1B
+           (scripts/bench_pipelining_peer.py)
+  tp2      one stage, TP=2 over both GPUs in one NVIDIA group (issue 5's figure)
+
+A ``+compile`` suffix (``nccl+compile``, ``peer+compile``) compiles the decoder
+layers. The first ``--warmup`` steps are not timed (they include kernel
+loading and compilation). Prints a table with TFLOP/s per GPU (Megatron's
+formula), tokens/s, MFU, peak memory per GPU and each variant's ratio to nccl
+(and nccl's to the peer); writes ``results.json`` and ``results.md`` to --out.
+
+Example (2xH200):
+  python scripts/bench_pp2_llm.py --out runs/bench8b --model llama8b --seq-length 8192 \\
+      --microbatches 32 --layers 17,15 --data .gpu/shakespeare_text_document
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CLUSTERS = {
+    "nccl": ["cluster=gpu2_homogeneous"],
+    "direct": ["cluster=gpu2_mixed", "cluster.transport.kind=direct"],
+    "tcp4": ["cluster=gpu2_mixed", "cluster.transport.kind=tcp", "cluster.transport.streams_per_address=4"],
+    "tcp1": ["cluster=gpu2_mixed", "cluster.transport.kind=tcp", "cluster.transport.streams_per_address=1"],
+    "gloo": ["cluster=gpu2_mixed", "cluster.transport.kind=gloo"],
+    "tp2": ["cluster=gpu2_homogeneous", "partition.tp=2", "partition.layers=null"],
+}
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def run_hetpipe(args, variant: str, compiled: bool, out: Path) -> dict:
+    layers = "[" + args.layers + "]"
+    overrides = [f"+model={args.model}", f"train.seq_length={args.seq_length}",
+                 f"train.micro_batch_size={args.micro_batch_size}",
+                 f"train.global_batch_size={args.micro_batch_size * args.microbatches}",
+                 f"train.train_iters={args.steps}", "train.log_interval=1", f"train.compile={compiled}",
+                 "optimizer.lr_warmup_iters=1", "logging.progress=false", f"data.path={args.data}",
+                 f"partition.layers={layers}", f"hydra.run.dir={out}", *CLUSTERS[variant], *args.set]
+    cmd = [sys.executable, "-m", "hetpipe.pretrain", *overrides]
+    rc, elapsed = _run(cmd, out.with_suffix(".log"), args.timeout)
+    result = {"rc": rc, "wall_s": elapsed}
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        timed = [r for r in rows if r["step"] > args.warmup]
+        result.update(losses=[r["loss"] for r in rows], steps_timed=len(timed),
+                      tflops_per_gpu=mean([r["tflops_per_device"] for r in timed]),
+                      tokens_per_s=mean([r["tokens_per_s"] for r in timed]),
+                      mfu=mean([r["mfu"] for r in timed if r["mfu"] is not None]) if timed else None)
+    mem = []
+    for path in sorted(out.glob("memory_rank*.json")):
+        mem.append(json.loads(path.read_text())["peak_allocated_gib"])
+    result["peak_mem_gib"] = mem
+    return result
+
+
+def run_peer(args, compiled: bool, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    result_path = out / "result.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_pipelining_peer.py"), "--model", args.model,
+           "--layers", args.layers, "--seq-length", str(args.seq_length),
+           "--micro-batch-size", str(args.micro_batch_size), "--microbatches", str(args.microbatches),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--data", args.data,
+           "--device", "cuda", "--out", str(result_path)]
+    for item in args.set:
+        if item.startswith("model."):
+            cmd += ["--set", item.removeprefix("model.")]
+    if compiled:
+        cmd.append("--compile")
+    rc, elapsed = _run(cmd, out.with_suffix(".log"), args.timeout)
+    result = {"rc": rc, "wall_s": elapsed}
+    if result_path.exists():
+        peer = json.loads(result_path.read_text())
+        result.update(losses=peer.get("losses"), tflops_per_gpu=peer.get("tflops_per_gpu"),
+                      tokens_per_s=peer.get("tokens_per_s"), peak_mem_gib=peer.get("peak_mem_gib", []),
+                      status=peer.get("status"))
+    return result
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    start = time.perf_counter()
+    with log.open("w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - start
+
+
+def table(results: dict[str, dict], args) -> str:
+    ref = results.get("nccl", {}).get("tflops_per_gpu")
+    peer = results.get("peer", {}).get("tflops_per_gpu")
+    lines = [f"{args.model}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
+             f"{args.microbatches} microbatches, split {args.layers}, {args.steps} steps "
+             f"({args.warmup} untimed)", "",
+             "| variant | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1) | vs nccl | loss, last step |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        tf = r.get("tflops_per_gpu")
+        if tf is None or tf != tf:
+            status = r.get("status") or ("timeout" if r["rc"] == 124 else f"failed rc={r['rc']}")
+            lines.append(f"| {name} | {status} | - | - | {_mem(r)} | - | - |")
+            continue
+        ratio = f"{tf / ref:.3f}" if ref else "-"
+        if name == "nccl" and peer:
+            ratio = f"1 ({tf / peer:.3f}x peer)"
+        mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "-"
+        loss = f"{r['losses'][-1]:.4f}" if r.get("losses") else "-"
+        lines.append(f"| {name} | {tf:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {_mem(r)} | {ratio} | {loss} |")
+    return "\n".join(lines)
+
+
+def _mem(r: dict) -> str:
+    mem = r.get("peak_mem_gib") or []
+    return ", ".join(f"{m:.1f}" for m in mem) if mem else "-"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="llama8b")
+    p.add_argument("--seq-length", type=int, default=8192)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=32)
+    p.add_argument("--layers", default="17,15", help="decoder layers of stage 0 and stage 1")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--data", default="demo")
+    p.add_argument("--variants", default="nccl,direct,tcp4,tcp1,gloo,peer")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--set", action="append", default=[], help="extra hydra override for hetpipe runs")
+    args = p.parse_args()
+    if args.steps <= args.warmup:
+        p.error("--steps must exceed --warmup")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for variant in args.variants.split(","):
+        base, _, suffix = variant.partition("+")
+        compiled = suffix == "compile"
+        if base not in CLUSTERS and base != "peer":
+            p.error(f"unknown variant {variant!r}; choose from {sorted(CLUSTERS) + ['peer']} (+compile)")
+        print(f"== {variant}", flush=True)
+        run_dir = out / variant.replace("+", "_")
+        results[variant] = (run_peer(args, compiled, run_dir) if base == "peer"
+                            else run_hetpipe(args, base, compiled, run_dir))
+        r = results[variant]
+        print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  TFLOP/s/GPU {r.get('tflops_per_gpu')}  "
+              f"peak mem {r.get('peak_mem_gib')}", flush=True)
+        (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    text = table(results, args)
+    (out / "results.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
