@@ -78,6 +78,48 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
+# (device type, dtype) -> whether addmm with an fp32 ``out`` over low-precision
+# inputs works here (CUDA, torch >= 2.8, and only where the fp32 ``self`` is allowed).
+_FP32_OUT_ADDMM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probe once per (device type, dtype): ``torch.addmm(acc_fp32, a, b,
+    out_dtype=float32, out=acc_fp32)`` with bf16/fp16 ``a``, ``b`` accumulates
+    into the fp32 buffer inside the GEMM's epilogue, with no low-precision
+    [V, h] temporary. Older torch builds lack the overload or refuse an fp32
+    ``self``; any error, or a result not exact to fp32, means no."""
+    key = (device.type, dtype)
+    if key not in _FP32_OUT_ADDMM:
+        ok = False
+        if device.type == "cuda":
+            try:
+                # Small integers over powers of two: exact in bf16/fp16 and
+                # every product sum exact in fp32, so a right answer is exact.
+                a = ((torch.arange(8 * 24, device=device).reshape(8, 24) % 7) - 3).to(dtype) / 4
+                b = ((torch.arange(8 * 16, device=device).reshape(8, 16) % 5) - 2).to(dtype) / 8
+                acc = torch.full((24, 16), 0.1, dtype=torch.float32, device=device)
+                expected = acc + a.t().float() @ b.float()
+                torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+                ok = bool(torch.allclose(acc, expected, rtol=1e-6, atol=1e-7))
+            except (TypeError, RuntimeError, NotImplementedError):
+                ok = False
+        _FP32_OUT_ADDMM[key] = ok
+    return _FP32_OUT_ADDMM[key]
+
+
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, for a and b in fp32 or a low-precision dtype."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _fp32_out_addmm_works(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        # The GEMM accumulates in fp32 internally; its [V, h] result is
+        # rounded once, and the sum over chunks stays fp32.
+        acc += a @ b
+
+
 def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
                        compute_dtype: torch.dtype, ignore_index: int, want_hidden_grad: bool,
                        want_weight_grad: bool):
@@ -119,12 +161,7 @@ def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         if grad_hidden is not None:
             grad_hidden[start:stop] = grad_logits @ w
         if grad_weight is not None:
-            if compute_dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.t(), h)
-            else:
-                # The low-precision GEMM's own accumulation is fp32; the sum
-                # over chunks is kept in fp32 too.
-                grad_weight += grad_logits.t() @ h
+            _accumulate_fp32(grad_weight, grad_logits.t(), h)
         del grad_logits
 
     loss = loss_sum / count

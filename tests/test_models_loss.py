@@ -144,3 +144,22 @@ def test_model_loss_matches_plain_head_fp32():
     logits = model(tokens)
     ref = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_weight_grad_accumulates_in_fp32():
+    from hetpipe.models.loss import _accumulate_fp32
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(64, 48, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(48, 32, device="cuda", generator=gen).to(torch.bfloat16)
+    acc = torch.randn(64, 32, device="cuda", generator=gen)
+    expected = acc + a.float() @ b.float()
+    _accumulate_fp32(acc, a.t().contiguous().t(), b)  # a transposed view, as the head passes it
+    torch.testing.assert_close(acc, expected, rtol=1e-2, atol=1e-2)
+    hidden, weight, labels = (t.cuda() for t in _inputs(n=300, h=64, v=1000))
+    ref = _reference(hidden, weight, labels)
+    got = _ours(hidden, weight, labels, chunk_tokens=64, compute_dtype=torch.bfloat16)
+    for r, g in zip(ref, got):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=3e-2, atol=3e-3)
