@@ -1,0 +1,572 @@
+#!/usr/bin/env python
+"""Peer reference for the two-GPU benchmark: the same model, weights, data and
+optimizer as ``python -m hetpipe.pretrain``, pipelined by PyTorch's own
+``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B``).
+
+The script spawns its two ranks itself (NCCL with one GPU per rank on
+``--device cuda``, gloo on ``--device cpu``). Rank r builds stage r exactly as
+our trainer does: ``build_model(cfg, seed, units=plan.unit_ranges()[r])``, so
+the same seed gives the same weights, and reads the same microbatches from the
+same :class:`MicrobatchLoader`. The optimizer is our ``build_optimizer`` (fused
+AdamW, no decay on norms/biases) driven by our ``lr_at`` schedule, with
+optional global-norm clipping (``--opt clip_grad=...``; the optimizer
+defaults, clipping at 1.0 included, are ``hetpipe.pretrain``'s).
+
+Where the output head sits (the peer's known weakness at a 128K vocabulary):
+
+* default: the head is inside the last stage module, which returns the logits
+  [mb, seq, V] (bf16 under autocast); ``loss_fn`` is fp32 cross-entropy on them.
+  With PyTorch's default ``return_outputs=True`` the schedule keeps every
+  microbatch's logits until the step ends (``--no-return-outputs`` drops them
+  where the installed torch supports it).
+* ``--head-in-loss``: the last stage module returns the hidden states and the
+  head's norm + projection + cross-entropy run inside ``loss_fn`` (the head's
+  weights stay parameters of the stage module, so they are optimised and
+  scaled like the rest); one microbatch's logits live only until its backward.
+  ``--fused-ce`` additionally uses hetpipe's chunked fused cross-entropy there.
+
+Precision: on GPU fp32 master weights with bf16 autocast around each stage
+forward and the loss (the forward only, as our engine does), or
+``--bf16-weights`` for bf16 parameters with no autocast; fp32 on CPU.
+
+Output: one JSON line per step on stdout (loss from the last stage, step time,
+tokens/s, TFLOP/s per GPU by Megatron's formula, peak memory per rank), a
+summary line over the steps after ``--warmup``, and ``--out`` as
+``{"name": "pipelining_1f1b", "status": "ok"|"oom", "tokens_per_s",
+"tflops_per_gpu", "peak_mem_gib": [r0, r1], "losses": [...], ...}``. A CUDA
+out-of-memory on either rank is a result (``"status": "oom"``, with the rank,
+step and message), not a crash.
+
+Example (2 GPUs)::
+
+    python scripts/bench_pipelining_peer.py --model llama8b --layers 17,15 \\
+        --seq-length 8192 --micro-batch-size 1 --microbatches 32 --steps 3 --warmup 1 \\
+        --data demo --device cuda --out peer.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+NAME = "pipelining_1f1b"
+NUM_STAGES = 2
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------- options
+
+def _value(text: str) -> Any:
+    """A command-line value as hydra would read it: bool, null, int, float, else string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("null", "none", "~"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_assignments(items: list[str], what: str) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"bench_pipelining_peer: {what} wants key=value, got {item!r}")
+        out[key.strip()] = _value(value)
+    return out
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model preset (configs/model/NAME.yaml)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="model field overrides, e.g. --set num_layers=8 hidden_size=2048")
+    p.add_argument("--layers", default=None,
+                   help="decoder layers of stage 0,1, e.g. 17,15 (default: an even split)")
+    p.add_argument("--seq-length", type=int, default=8192)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=32, help="microbatches per step")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps (also the LR schedule's length)")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the summary")
+    p.add_argument("--data", default="demo", help="Megatron data prefix, or demo")
+    p.add_argument("--tokenizer", default="byte")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--opt", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="OptimizerConfig overrides, e.g. --opt lr=3e-4 clip_grad=0 lr_warmup_iters=5")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="bf16 parameters (no autocast) instead of fp32 master weights + bf16 autocast")
+    p.add_argument("--head-in-loss", action="store_true",
+                   help="compute the head's projection + CE inside loss_fn instead of the last stage")
+    p.add_argument("--fused-ce", action="store_true",
+                   help="with --head-in-loss: hetpipe's chunked fused cross-entropy in loss_fn")
+    p.add_argument("--no-return-outputs", dest="return_outputs", action="store_false",
+                   help="step(return_outputs=False): the last stage keeps no outputs for the caller")
+    p.add_argument("--timeout-min", type=float, default=20.0, help="process-group timeout")
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    args = p.parse_args(argv)
+    if args.fused_ce and not args.head_in_loss:
+        p.error("--fused-ce needs --head-in-loss (with the head inside the stage, loss_fn sees logits)")
+    if args.bf16_weights and args.device == "cpu":
+        p.error("--bf16-weights is for --device cuda")
+    for name in ("seq_length", "micro_batch_size", "microbatches", "steps"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup {args.warmup} must leave at least one of the {args.steps} steps to measure")
+    if args.microbatches < NUM_STAGES:
+        p.error(f"Schedule1F1B needs at least {NUM_STAGES} microbatches")
+    return args
+
+
+def model_config(args: argparse.Namespace):
+    from hetpipe.models.config import model_preset
+
+    cfg = model_preset(args.model, **_parse_assignments(args.set, "--set"))
+    if args.seq_length > cfg.max_position_embeddings:
+        raise SystemExit(f"bench_pipelining_peer: --seq-length {args.seq_length} exceeds model "
+                         f"{cfg.name!r}'s max_position_embeddings={cfg.max_position_embeddings}")
+    return cfg
+
+
+def optimizer_config(args: argparse.Namespace):
+    from hetpipe.config import OptimizerConfig
+
+    overrides = _parse_assignments(args.opt, "--opt")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(OptimizerConfig)}
+    if unknown:
+        raise SystemExit(f"bench_pipelining_peer: unknown optimizer fields {sorted(unknown)}")
+    return OptimizerConfig(**overrides)
+
+
+def make_plan(layers: Optional[str], num_layers: int):
+    from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+
+    counts = [int(x) for x in layers.split(",")] if layers else even_split(num_layers, NUM_STAGES)
+    if len(counts) != NUM_STAGES:
+        raise SystemExit(f"bench_pipelining_peer: --layers wants {NUM_STAGES} counts, got {layers!r}")
+    plan = Plan(stages=[StagePlan(group="peer", ranks=[r], layers=n) for r, n in enumerate(counts)],
+                schedule="1f1b")
+    plan.check_model(num_layers)
+    return plan
+
+
+# --------------------------------------------------------------------------- the stage
+
+def _body(chunk, x: torch.Tensor) -> torch.Tensor:
+    """The chunk's embedding and decoder layers (CausalLM.forward without the head)."""
+    from hetpipe.models.layers import rope_cos_sin
+
+    x = chunk.embedding(x) if chunk.embedding is not None else x
+    if chunk.layers:
+        cos, sin = rope_cos_sin(chunk.inv_freq, x.shape[1], x.dtype)
+        for layer in chunk.layers.values():
+            x = layer(x, cos, sin)
+    return x
+
+
+class PeerStage(nn.Module):
+    """One stage for PipelineStage: our CausalLM slice, autocast around its forward.
+
+    The last stage returns the logits, or (``head_in_loss``) the hidden states
+    before the head, which ``loss_fn`` then turns into the loss.
+    """
+
+    def __init__(self, chunk, amp_device: Optional[str], head_in_loss: bool) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.amp_device = amp_device
+        self.head_in_loss = head_in_loss
+
+    # Test hook (BENCH_PEER_FAKE_OOM="rank,step"): raise an out-of-memory error
+    # in this stage's forward at that step, to exercise the OOM report on a CPU.
+    fake_oom_step: Optional[int] = None
+    step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fake_oom_step is not None and self.step == self.fake_oom_step:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (BENCH_PEER_FAKE_OOM)")
+        with torch.autocast(self.amp_device or "cpu", dtype=torch.bfloat16, enabled=self.amp_device is not None):
+            if self.chunk.is_last and self.head_in_loss:
+                return _body(self.chunk, x)
+            return self.chunk(x)  # hidden states, or the logits on the last stage
+
+
+def make_loss_fn(stage: PeerStage, fused_ce: bool):
+    head = stage.chunk.head
+    amp = stage.amp_device
+
+    def logits_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    def head_loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(amp or "cpu", dtype=torch.bfloat16, enabled=amp is not None):
+            if fused_ce:
+                return head(hidden, target)
+            return F.cross_entropy(head.logits(hidden).float().flatten(0, 1), target.flatten())
+
+    if head is None:
+        return logits_loss  # never called off the last stage; it only marks the schedule as training
+    return head_loss if stage.head_in_loss else logits_loss
+
+
+def _meta_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(requires_grad)
+
+
+def warm_up(module: PeerStage, loss_fn, rank: int, opts: argparse.Namespace, cfg, device: torch.device,
+            act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One local forward + backward of this stage (no communication), then the
+    gradients are dropped. It loads every CUDA kernel (and compiles the layers)
+    before the first receive is posted: a lazy kernel load while an NCCL
+    receive spins can deadlock the first step (see PipelineEngine.warm_up).
+    It also yields the stage's input/output tensor metadata for PipelineStage."""
+    shape = (opts.micro_batch_size, opts.seq_length)
+    if rank == 0:
+        x = torch.zeros(shape, dtype=torch.long, device=device)
+    else:
+        x = torch.zeros(*shape, cfg.hidden_size, dtype=act_dtype, device=device, requires_grad=True)
+    out = module(x)
+    if module.chunk.is_last:
+        loss_fn(out, torch.zeros(shape, dtype=torch.long, device=device)).backward()
+    else:
+        out.backward(torch.zeros_like(out))
+    for p in module.parameters():
+        p.grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _meta_like(x, rank != 0), _meta_like(out, not module.chunk.is_last)
+
+
+# --------------------------------------------------------------------------- gradients
+
+def _tied_copy(chunk) -> Optional[torch.Tensor]:
+    """This rank's copy of a tied embedding/head weight when the other copy is on the other rank."""
+    if not chunk.cfg.share_embeddings_and_output_weights:
+        return None
+    if chunk.embedding is not None and chunk.head is None:
+        return chunk.embedding.weight
+    if chunk.head is not None and chunk.embedding is None:
+        return chunk.head.output.weight
+    return None
+
+
+def clip_global_norm(chunk, max_norm: float, device: torch.device) -> torch.Tensor:
+    """Global gradient norm over both ranks (a tied head copy counted once);
+    scales the gradients when ``max_norm`` > 0. Returns the norm (on ``device``)."""
+    skip = _tied_copy(chunk) if chunk.head is not None else None  # the embedding's copy is counted
+    grads = [p.grad for p in chunk.parameters() if p.grad is not None and p is not skip]
+    if grads:
+        norms = torch._foreach_norm(grads)
+        sq = torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1)
+    else:
+        sq = torch.zeros(1, device=device)
+    dist.all_reduce(sq)
+    total = sq.sqrt()[0]
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        all_grads = [p.grad for p in chunk.parameters() if p.grad is not None]
+        if all_grads:
+            torch._foreach_mul_(all_grads, coef.to(all_grads[0].dtype))
+    return total
+
+
+# --------------------------------------------------------------------------- one rank
+
+def _is_oom(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _peak_gib(device: torch.device) -> Optional[float]:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def run_rank(rank: int, opts: argparse.Namespace, port: int, workdir: str) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    if opts.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // NUM_STAGES))
+    dist.init_process_group(backend, rank=rank, world_size=NUM_STAGES,
+                            timeout=timedelta(minutes=opts.timeout_min))
+    try:
+        _train(rank, opts, device, workdir)
+    except BaseException as exc:  # noqa: BLE001 - an OOM is a result, anything else re-raised
+        if _is_oom(exc):
+            record = {"rank": rank, "error": str(exc).strip().splitlines()[0][:500],
+                      "peak_mem_gib": _peak_gib(device)}
+            cause = exc
+            while cause is not None and not isinstance(cause, torch.cuda.OutOfMemoryError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:
+                record["error"] = str(cause).strip().splitlines()[0][:500]
+            step_file = Path(workdir) / f"progress_rank{rank}"
+            record["step"] = int(step_file.read_text()) if step_file.is_file() else 0  # 0: before step 1
+            (Path(workdir) / f"oom_rank{rank}.json").write_text(json.dumps(record))
+            print(f"bench_pipelining_peer: rank {rank} ran out of memory: {record['error']}",
+                  file=sys.stderr, flush=True)
+            # The other rank is blocked on this one; the parent ends it. Skip
+            # the NCCL teardown, which would wait for it.
+            os._exit(3)
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from hetpipe.data import MicrobatchLoader
+    from hetpipe.models import build_model
+    from hetpipe.models.flops import megatron_model_flops
+    from hetpipe.trainer import build_optimizer, lr_at, seed_everything
+
+    cfg = model_config(opts)
+    opt_cfg = optimizer_config(opts)
+    plan = make_plan(opts.layers, cfg.num_layers)
+    units = plan.unit_ranges()[rank]
+    seed_everything(opts.seed)
+    chunk = build_model(cfg, seed=opts.seed, units=units, device=device)
+    act_dtype = torch.float32
+    if opts.bf16_weights:
+        inv_freq = chunk.inv_freq
+        chunk.to(torch.bfloat16)
+        chunk.inv_freq = inv_freq  # RoPE frequencies stay fp32, as in our model
+        act_dtype = torch.bfloat16
+    if opts.compile:
+        for layer in chunk.layers.values():
+            layer.compile()
+    amp = "cuda" if (device.type == "cuda" and not opts.bf16_weights) else None
+    module = PeerStage(chunk, amp, opts.head_in_loss)
+    fake = os.environ.get("BENCH_PEER_FAKE_OOM")
+    if fake and int(fake.split(",")[0]) == rank:
+        module.fake_oom_step = int(fake.split(",")[1])
+    loss_fn = make_loss_fn(module, opts.fused_ce)
+
+    global_batch = opts.micro_batch_size * opts.microbatches
+    loader = MicrobatchLoader(opts.data, opts.tokenizer, seq_length=opts.seq_length,
+                              global_batch_size=global_batch, micro_batch_size=opts.micro_batch_size,
+                              vocab_size=cfg.vocab_size, seed=opts.seed)
+    assert loader.num_microbatches == opts.microbatches
+    optimizer = build_optimizer([chunk], opt_cfg, device)
+
+    input_meta, output_meta = warm_up(module, loss_fn, rank, opts, cfg, device, act_dtype)
+    # The boundary buffers are allocated from these metas: a dtype or shape
+    # mismatch would be garbage on the wire, so check it once, loudly.
+    boundary = [None] * NUM_STAGES
+    dist.all_gather_object(boundary, (tuple(output_meta.shape), str(output_meta.dtype)) if rank == 0
+                           else (tuple(input_meta.shape), str(input_meta.dtype)))
+    if boundary[0] != boundary[1]:
+        raise RuntimeError(f"stage 0 sends {boundary[0]} but stage 1 expects {boundary[1]}")
+    stage = PipelineStage(module, stage_index=rank, num_stages=NUM_STAGES, device=device,
+                          input_args=input_meta, output_args=output_meta)
+    schedule = Schedule1F1B(stage, n_microbatches=opts.microbatches, loss_fn=loss_fn)
+    step_kwargs = {}
+    if "return_outputs" in inspect.signature(schedule.step).parameters:
+        step_kwargs["return_outputs"] = opts.return_outputs
+    elif not opts.return_outputs and rank == NUM_STAGES - 1:
+        print("bench_pipelining_peer: this torch's schedule.step has no return_outputs; outputs are kept",
+              file=sys.stderr, flush=True)
+    tied = _tied_copy(chunk)
+    flops = megatron_model_flops(cfg, global_batch, opts.seq_length)
+    tokens_per_step = global_batch * opts.seq_length
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    is_last = rank == NUM_STAGES - 1
+
+    if rank == 0:
+        precision = "bf16 weights" if opts.bf16_weights else "bf16 autocast" if amp else "fp32"
+        head = "in the last stage"
+        if opts.head_in_loss:
+            head = "in loss_fn" + (" (fused CE)" if opts.fused_ce else "")
+        print(f"bench_pipelining_peer: {cfg.name} ({cfg.num_parameters() / 1e6:.1f}M parameters), layers "
+              f"{[s.layers for s in plan.stages]}, Schedule1F1B over {opts.microbatches} microbatches of "
+              f"{opts.micro_batch_size}x{opts.seq_length}, {precision}, head {head}, "
+              f"return_outputs={opts.return_outputs}, torch {torch.__version__}, {device.type}", flush=True)
+
+    for step in range(opts.steps):
+        (Path(workdir) / f"progress_rank{rank}").write_text(str(step + 1))
+        module.step = step + 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        lr = lr_at(step, opt_cfg, opts.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        microbatches = loader.next_step()
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            tokens = torch.cat([t for t, _ in microbatches]).to(device, non_blocking=True)
+            schedule.step(tokens, **step_kwargs)
+        else:
+            labels = torch.cat([y for _, y in microbatches]).to(device, non_blocking=True)
+            schedule.step(target=labels, losses=losses, **step_kwargs)
+        if tied is not None and tied.grad is not None:
+            dist.all_reduce(tied.grad)
+        grad_norm = clip_global_norm(chunk, opt_cfg.clip_grad, device)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+
+        loss = float("nan")
+        if is_last:
+            total = None
+            for x in losses:  # microbatch order, as our engine sums them
+                total = x.detach().float() if total is None else total + x.detach().float()
+            loss = (total / opts.microbatches).item()
+        peak = _peak_gib(device)
+        mine = torch.tensor([loss, elapsed, -1.0 if peak is None else peak], dtype=torch.float64, device=device)
+        table = [torch.empty_like(mine) for _ in range(NUM_STAGES)]
+        dist.all_gather(table, mine)
+        if rank == 0:
+            rows = [t.tolist() for t in table]
+            step_time = max(r[1] for r in rows)
+            record = {
+                "step": step + 1,
+                "loss": rows[-1][0],
+                "grad_norm": float(grad_norm),
+                "lr": lr,
+                "step_time_s": step_time,
+                "tokens_per_s": tokens_per_step / step_time,
+                "tflops_per_gpu": flops / step_time / NUM_STAGES / 1e12,
+                "peak_mem_gib": [None if r[2] < 0 else r[2] for r in rows],
+                "warmup": step < opts.warmup,
+            }
+            print(json.dumps(record), flush=True)
+            with open(Path(workdir) / "steps.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+# --------------------------------------------------------------------------- driver
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarise(opts: argparse.Namespace, cfg, plan, records: list[dict], oom: Optional[dict]) -> dict:
+    measured = [r for r in records if not r["warmup"]]
+    result: dict[str, Any] = {
+        "name": NAME,
+        "status": "oom" if oom else "ok",
+        "model": cfg.name,
+        "model_config": cfg.to_dict(),
+        "layers": [s.layers for s in plan.stages],
+        "seq_length": opts.seq_length,
+        "micro_batch_size": opts.micro_batch_size,
+        "microbatches": opts.microbatches,
+        "global_batch_size": opts.micro_batch_size * opts.microbatches,
+        "steps": opts.steps,
+        "warmup": opts.warmup,
+        "device": opts.device,
+        "precision": "bf16-weights" if opts.bf16_weights else ("bf16-autocast" if opts.device == "cuda" else "fp32"),
+        "head": ("loss_fn-fused" if opts.fused_ce else "loss_fn") if opts.head_in_loss else "last_stage",
+        "return_outputs": opts.return_outputs,
+        "compile": opts.compile,
+        "torch": torch.__version__,
+        "tokens_per_s": None,
+        "tflops_per_gpu": None,
+        "step_time_s": None,
+        "peak_mem_gib": records[-1]["peak_mem_gib"] if records else None,
+        "losses": [r["loss"] for r in records],
+        "grad_norms": [r["grad_norm"] for r in records],
+        "steps_detail": records,
+    }
+    if measured and not oom:
+        step_time = sum(r["step_time_s"] for r in measured) / len(measured)
+        tokens = opts.micro_batch_size * opts.microbatches * opts.seq_length
+        from hetpipe.models.flops import megatron_model_flops
+        flops = megatron_model_flops(cfg, opts.micro_batch_size * opts.microbatches, opts.seq_length)
+        result.update(step_time_s=step_time, tokens_per_s=tokens / step_time,
+                      tflops_per_gpu=flops / step_time / NUM_STAGES / 1e12)
+    if oom:
+        result["oom"] = oom
+        result["peak_mem_gib"] = oom.get("peak_mem_gib_per_rank", result["peak_mem_gib"])
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    opts = parse_args(argv)
+    cfg = model_config(opts)
+    optimizer_config(opts)
+    plan = make_plan(opts.layers, cfg.num_layers)
+    if opts.device == "cuda" and torch.cuda.device_count() < NUM_STAGES:
+        raise SystemExit(f"bench_pipelining_peer: needs {NUM_STAGES} GPUs, found {torch.cuda.device_count()}")
+    if opts.data == "demo":
+        from hetpipe.data import demo_corpus
+        opts.data = demo_corpus(opts.tokenizer)  # built once here, not by both ranks at once
+    from hetpipe.data import MicrobatchLoader
+    MicrobatchLoader(opts.data, opts.tokenizer, seq_length=opts.seq_length,
+                     global_batch_size=opts.micro_batch_size * opts.microbatches,
+                     micro_batch_size=opts.micro_batch_size, vocab_size=cfg.vocab_size, seed=opts.seed)
+
+    with tempfile.TemporaryDirectory(prefix="peer-") as workdir:
+        failure: Optional[BaseException] = None
+        try:
+            mp.spawn(run_rank, args=(opts, _free_port(), workdir), nprocs=NUM_STAGES, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            failure = exc
+        steps_file = Path(workdir) / "steps.jsonl"
+        records = [json.loads(line) for line in steps_file.read_text().splitlines()] if steps_file.is_file() else []
+        ooms = [json.loads(p.read_text()) for p in sorted(Path(workdir).glob("oom_rank*.json"))]
+    oom = None
+    if ooms:
+        oom = {"rank": ooms[0]["rank"], "step": ooms[0]["step"], "error": ooms[0]["error"],
+               "ranks": [o["rank"] for o in ooms],
+               "peak_mem_gib_per_rank": [next((o["peak_mem_gib"] for o in ooms if o["rank"] == r), None)
+                                         for r in range(NUM_STAGES)]}
+    elif failure is not None:
+        print(f"bench_pipelining_peer: a rank failed:\n{failure}", file=sys.stderr)
+        return 1
+
+    result = summarise(opts, cfg, plan, records, oom)
+    summary = {k: result[k] for k in ("name", "status", "tokens_per_s", "tflops_per_gpu", "step_time_s",
+                                      "peak_mem_gib")}
+    summary["summary"] = True
+    if oom:
+        summary["oom"] = {k: oom[k] for k in ("rank", "step", "error")}
+    print(json.dumps(summary), flush=True)
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
