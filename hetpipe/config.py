@@ -71,6 +71,9 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     # Global gradient-norm clipping threshold; 0 disables.
     clip_grad: float = 1.0
+    # ZeRO-1: shard AdamW's state over each stage's data-parallel ranks
+    # (Megatron's --use-distributed-optimizer); no effect without DP.
+    distributed: bool = False
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -111,6 +114,25 @@ class PartitionConfig:
     schedule: str = "1f1b"
     # Model chunks per rank (virtual stages) for interleaved_1f1b.
     num_chunks: int = 1
+    # Tensor-parallel degree of every vendor group, or one per group in the
+    # cluster's group order (tp_per_group=[2,1]: TP2 on the first group, TP1
+    # on the second). A group's pipeline stages = its ranks / (TP x DP).
+    tp: int = 1
+    tp_per_group: Optional[List[int]] = None
+    # Data-parallel degree: the same for every stage (each stage is replicated
+    # dp times inside its vendor group).
+    dp: int = 1
+    # Megatron sequence parallelism inside TP groups (norms on sequence shards).
+    sequence_parallel: bool = False
+    # Gradient-reduction bucket size for DP (MiB), reduced while backward runs.
+    grad_bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.dp < 1 or (self.tp_per_group is not None and min(self.tp_per_group, default=0) < 1):
+            raise ConfigError(f"partition.tp={self.tp}, tp_per_group={self.tp_per_group} and dp={self.dp} "
+                              "must be positive")
+        if self.grad_bucket_mb <= 0:
+            raise ConfigError(f"partition.grad_bucket_mb={self.grad_bucket_mb} must be positive")
 
 
 @dataclass

@@ -28,24 +28,38 @@ def global_parameter_order(cfg: ModelConfig) -> dict[str, int]:
 class GradNormClipper:
     """Clips gradients of this rank's chunks by the global norm over all ranks.
 
+    Every parameter of the whole model has one position. A rank reports the
+    norm of each parameter it *contributes*: with data parallelism only DP
+    replica 0 reports (after the DP reduction all replicas hold the same
+    gradients); with tensor parallelism every TP rank reports its shard's part
+    (:func:`hetpipe.parallel.tensor.tp_sq_norm_share`; a tensor every TP rank
+    holds whole is reported by TP rank 0 only). A position reported once takes
+    that norm as it is - which keeps the no-TP, no-DP case bitwise equal to
+    ``clip_grad_norm_`` in one process - and one reported by several TP ranks
+    takes the square root of their summed squares.
+
     ``extra`` is an optional scalar (the step's loss sum on the last stage)
-    piggy-backed on the same exchange, so logging costs no extra collective.
+    piggy-backed on the same exchange, so logging costs no extra collective;
+    pass ``extra_contributes=False`` on ranks whose value must not be counted
+    (TP ranks other than 0 hold a copy of the same loss).
     """
 
-    def __init__(self, cfg: ModelConfig, chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, cfg: ModelConfig, chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup],
+                 contributes: bool = True) -> None:
         order = global_parameter_order(cfg)
         named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
         # A tied head copy on the last stage is not a separate model
         # parameter: its gradient equals the embedding's after the sync.
-        mine = sorted((order[n], p) for n, p in named if n in order)
-        self.positions = [i for i, _ in mine]
-        self.params = [p for _, p in mine]
+        mine = sorted((order[n], i, p) for i, (n, p) in enumerate(named) if n in order) if contributes else []
+        self.positions = [pos for pos, _, _ in mine]
+        self.params = [p for _, _, p in mine]
         self.all_params = [p for _, p in named]
+        self.sharded = any(getattr(chunk, "tp_size", 1) > 1 for chunk in chunks)
         self.group = group
         self.total = len(order)
         self.world = dist.get_world_size(group) if group is not None else 1
         if self.world > 1:
-            # Static layout: who holds which positions. One exchange at start.
+            # Static layout: who reports which positions. One exchange at start.
             counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(counts, torch.tensor([len(self.positions)]), group=group)
             self.width = int(max(c.item() for c in counts))
@@ -54,16 +68,29 @@ class GradNormClipper:
             gathered = [torch.empty_like(mine_pos) for _ in range(self.world)]
             dist.all_gather(gathered, mine_pos, group=group)
             self.layout = torch.cat(gathered)
+            valid = self.layout >= 0
+            self.reports = torch.bincount(self.layout[valid], minlength=self.total)
 
-    def clip(self, max_norm: float, extra: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norms(self) -> list[torch.Tensor]:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if not grads:
+            return []
+        if not self.sharded:
+            return list(torch._foreach_norm(grads))
+        from hetpipe.parallel.tensor import tp_sq_norm_share
+
+        return [tp_sq_norm_share(p, g).sqrt() for p, g in zip(self.params, grads)]
+
+    def clip(self, max_norm: float, extra: Optional[torch.Tensor] = None,
+             extra_contributes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale gradients in place; returns (total norm, summed ``extra``).
 
         With one rank both stay on the device (no host sync in the step);
         across ranks the exchange goes through the CPU (gloo) anyway.
         """
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        norms = torch._foreach_norm(grads) if grads else []
-        extra_value = extra.detach().float().reshape(1) if extra is not None else torch.zeros(1)
+        norms = self._norms()
+        extra_value = extra.detach().float().reshape(1) if extra is not None and extra_contributes \
+            else torch.zeros(1)
         if self.world == 1:
             total = torch.linalg.vector_norm(torch.stack(norms))
             summed_extra = extra_value
@@ -77,15 +104,25 @@ class GradNormClipper:
             table = torch.stack(gathered)
             summed_extra = table[:, -1].sum().reshape(1)
             values = table[:, :-1].reshape(-1)
-            ordered = torch.empty(self.total, dtype=torch.float32)
             valid = self.layout >= 0
-            ordered[self.layout[valid]] = values[valid]
-            device = norms[0].device if norms else torch.device("cpu")
+            ordered = torch.zeros(self.total, dtype=torch.float32)
+            if int(self.reports.max()) <= 1:
+                ordered[self.layout[valid]] = values[valid]
+            else:
+                # Several TP ranks reported parts of one tensor: sqrt of summed squares.
+                squares = torch.zeros(self.total, dtype=torch.float32)
+                squares.index_add_(0, self.layout[valid], values[valid].square())
+                single = self.reports == 1
+                ordered[self.layout[valid]] = values[valid]
+                ordered = torch.where(single, ordered, squares.sqrt())
+            device = norms[0].device if norms else (self.all_params[0].device if self.all_params
+                                                    else torch.device("cpu"))
             total = torch.linalg.vector_norm(ordered.to(device))
         if max_norm > 0 and self.all_params:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             grads_all = [p.grad for p in self.all_params if p.grad is not None]
-            torch._foreach_mul_(grads_all, coef.to(grads_all[0].device))
+            if grads_all:
+                torch._foreach_mul_(grads_all, coef.to(grads_all[0].device))
         return total.detach(), summed_extra[0]
 
 

@@ -29,21 +29,46 @@ if TYPE_CHECKING:
     from hetpipe.comm.channel import Channel
 
 
+def group_tp_degrees(partition, cluster: ClusterConfig) -> list[int]:
+    """TP degree of each cluster group from ``partition.tp`` / ``partition.tp_per_group``."""
+    if partition.tp_per_group is None:
+        return [partition.tp] * len(cluster.groups)
+    if len(partition.tp_per_group) != len(cluster.groups):
+        raise ConfigError(f"partition.tp_per_group={list(partition.tp_per_group)} has "
+                          f"{len(partition.tp_per_group)} entries but cluster {cluster.name!r} has "
+                          f"{len(cluster.groups)} groups ({', '.join(g.name for g in cluster.groups)})")
+    return list(partition.tp_per_group)
+
+
 def build_plan(partition, cluster: ClusterConfig, model: ModelConfig) -> Plan:
-    """The plan from explicit overrides: one pipeline rank per cluster rank, in
-    group order; ``partition.layers`` or an even split of the decoder layers."""
-    p = cluster.world_size
+    """The plan from explicit overrides. Each vendor group is cut into
+    ``ranks / (TP x DP)`` pipeline stages of consecutive ranks (TP fastest,
+    then DP, as in Megatron's rank order), groups in cluster order; decoder
+    layers per stage from ``partition.layers`` or an even split."""
+    tps = group_tp_degrees(partition, cluster)
+    dp = partition.dp
+    physical: list[tuple[str, list[int], int]] = []
+    for i, g in enumerate(cluster.groups):
+        per_stage = tps[i] * dp
+        if g.size % per_stage:
+            raise ConfigError(f"group {g.name!r} has {g.size} ranks, not a multiple of TP{tps[i]} x DP{dp} = "
+                              f"{per_stage}; every stage of a group needs TP x DP ranks")
+        start = cluster.group_ranks(i)[0]
+        for j in range(g.size // per_stage):
+            physical.append((g.name, list(range(start + j * per_stage, start + (j + 1) * per_stage)), tps[i]))
+    p = len(physical)
     if partition.num_chunks > 1 and p == 1:
-        raise ConfigError("partition.num_chunks > 1 (interleaving) needs at least two pipeline ranks")
+        raise ConfigError("partition.num_chunks > 1 (interleaving) needs at least two pipeline stages")
     virtual = p * partition.num_chunks
     layers = list(partition.layers) if partition.layers is not None else even_split(model.num_layers, virtual)
     if len(layers) != virtual:
         raise ConfigError(f"partition.layers={layers} has {len(layers)} entries but cluster {cluster.name!r} "
-                          f"x num_chunks={partition.num_chunks} gives {virtual} (virtual) stages")
+                          f"gives {p} pipeline stage(s) (TP {tps}, DP {dp}) x num_chunks={partition.num_chunks} "
+                          f"= {virtual} (virtual) stages")
     stages = []
     for v, n in enumerate(layers):
-        rank = v % p
-        stages.append(StagePlan(group=cluster.group_of(rank)[1].name, ranks=[rank], layers=n))
+        group, ranks, tp = physical[v % p]
+        stages.append(StagePlan(group=group, ranks=list(ranks), layers=n, tp=tp, dp=dp))
     plan = Plan(stages=stages, schedule=partition.schedule, num_chunks=partition.num_chunks)
     plan.check_model(model.num_layers)
     return plan
@@ -51,40 +76,69 @@ def build_plan(partition, cluster: ClusterConfig, model: ModelConfig) -> Plan:
 
 def resolve_plan(cfg) -> Plan:
     """The plan a pretrain config asks for: ``plan=auto`` (the cost-model
-    planner, restricted to what this release runs: one stage per rank, in the
-    cluster's group order, no TP/DP/recompute), ``plan=PATH`` (a plan.yaml), or
-    the explicit ``partition`` settings."""
+    planner, restricted to what this release runs: no recompute), ``plan=PATH``
+    (a plan.yaml), or the explicit ``partition`` settings."""
     from hetpipe.partitioner.solver import plan_for
 
     if cfg.plan is None:
-        return build_plan(cfg.partition, cfg.cluster, cfg.model)
-    if cfg.plan == "auto":
-        planner = dataclasses.replace(
-            cfg.planner, tp=cfg.planner.tp or 1, dp=cfg.planner.dp or 1,
-            recompute=bool(cfg.planner.recompute),
-            stages=cfg.planner.stages or [g.size for g in cfg.cluster.groups],
-            group_order=cfg.planner.group_order or [g.name for g in cfg.cluster.groups])
+        plan = build_plan(cfg.partition, cfg.cluster, cfg.model)
+    elif cfg.plan == "auto":
+        planner = dataclasses.replace(cfg.planner, recompute=bool(cfg.planner.recompute))
         plan = plan_for(cfg.model, cfg.cluster, cfg.train, planner)
     else:
         plan = Plan.load(cfg.plan)
     plan.check_model(cfg.model.num_layers)
-    check_runnable(plan, cfg.cluster, cfg.train)
+    check_runnable(plan, cfg.cluster, cfg.train, cfg.model)
     return plan
 
 
-def check_runnable(plan: Plan, cluster: ClusterConfig, train) -> None:
-    """Refuse plans that need features this release does not run yet."""
-    p = cluster.world_size
-    if plan.pipeline_size != p:
-        raise ConfigError(f"the plan has {plan.pipeline_size} pipeline ranks but cluster {cluster.name!r} has {p}")
+def check_runnable(plan: Plan, cluster: ClusterConfig, train, model: Optional[ModelConfig] = None) -> None:
+    """Refuse plans this release cannot run, each with one sentence naming the problem."""
+    world = cluster.world_size
+    p = plan.pipeline_size
+    seen: dict[int, int] = {}
     for v, stage in enumerate(plan.stages):
-        if stage.tp != 1 or stage.dp != 1 or stage.ranks != [v % p]:
-            raise ConfigError(
-                f"plan stage {v} uses TP{stage.tp} x DP{stage.dp} on ranks {stage.ranks}; this release runs "
-                "one pipeline stage per rank in the cluster's rank order (TP/DP inside groups come later)")
-        if stage.group != cluster.group_of(v % p)[1].name:
-            raise ConfigError(f"plan stage {v} is on group {stage.group!r} but rank {v % p} belongs to "
-                              f"{cluster.group_of(v % p)[1].name!r}")
+        if len(stage.ranks) != stage.tp * stage.dp:
+            raise ConfigError(f"plan stage {v} has {len(stage.ranks)} ranks {stage.ranks} but TP{stage.tp} x "
+                              f"DP{stage.dp} needs {stage.tp * stage.dp}")
+        for r in stage.ranks:
+            if not 0 <= r < world:
+                raise ConfigError(f"plan stage {v} uses rank {r}, outside cluster {cluster.name!r} "
+                                  f"of {world} ranks")
+            if cluster.group_of(r)[1].name != stage.group:
+                raise ConfigError(f"plan stage {v} is on group {stage.group!r} but its rank {r} belongs to "
+                                  f"{cluster.group_of(r)[1].name!r}")
+        if v >= p:
+            first = plan.stages[v % p]
+            if stage.ranks != first.ranks or stage.tp != first.tp:
+                raise ConfigError(f"plan virtual stage {v} must sit on the ranks of stage {v % p} "
+                                  f"({first.ranks}, TP{first.tp}) with num_chunks={plan.num_chunks}")
+            continue
+        for r in stage.ranks:
+            if r in seen:
+                raise ConfigError(f"rank {r} is in both plan stage {seen[r]} and stage {v}")
+            seen[r] = v
+    idle = [r for r in range(world) if r not in seen]
+    if idle:
+        raise ConfigError(f"the plan leaves rank(s) {idle} of cluster {cluster.name!r} idle; this release needs "
+                          "every rank in a stage (shrink the cluster or change the plan)")
+    dps = sorted({s.dp for s in plan.stages})
+    if len(dps) > 1:
+        raise ConfigError(f"plan stages use different data-parallel degrees {dps}; DP must be equal across "
+                          "stages (each stage is replicated DP times and every replica runs the whole pipeline)")
+    dp = dps[0]
+    if train.global_batch_size % (train.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                          f"micro_batch_size={train.micro_batch_size} x DP{dp}")
+    if model is not None:
+        from hetpipe.parallel.tensor import check_tensor_parallel
+
+        for tp in sorted({s.tp for s in plan.stages}):
+            check_tensor_parallel(model, tp)
+        if model.share_embeddings_and_output_weights and plan.stages[0].tp != plan.stages[-1].tp:
+            raise ConfigError(f"model {model.name!r} ties its embedding and output weights, so the first and "
+                              f"last stage need the same TP degree (got TP{plan.stages[0].tp} and "
+                              f"TP{plan.stages[-1].tp})")
     if plan.recompute:
         raise ConfigError("the plan turns on activation recomputation, which this release does not run yet")
     mbs = plan.notes.get("micro_batch_size") if plan.notes else None
@@ -115,6 +169,19 @@ def check_transport_available(cluster: ClusterConfig) -> str:
 
 @dataclass
 class Topology:
+    """This rank's place in the job: pipeline stage, TP and DP coordinates,
+    its device, every process group, and its boundary channels.
+
+    A physical pipeline stage ``s`` (plan stages 0..P-1) runs on ``TP x DP``
+    consecutive ranks of one vendor group; ``stage.ranks[d * tp + t]`` is the
+    rank with DP index ``d`` and TP index ``t``. Every DP replica runs the
+    whole pipeline: replica ``d`` of stage ``s`` talks only to replica ``d``
+    of its neighbours. Activations are replicated over a stage's TP ranks, so
+    when the two sides of a boundary have different TP degrees, TP rank ``t``
+    of the receiving stage takes the tensor from TP rank ``t % tp_sender`` of
+    the sending stage (a sender with ``t >= tp_receiver`` sends nothing).
+    """
+
     cluster: ClusterConfig
     plan: Plan
     rank: int = 0
@@ -125,16 +192,28 @@ class Topology:
         if self.cluster.world_size != self.world_size:
             raise ConfigError(f"cluster {self.cluster.name!r} has {self.cluster.world_size} ranks but "
                               f"{self.world_size} processes were started")
-        if self.plan.pipeline_size != self.world_size:
-            raise ConfigError(f"the plan has {self.plan.pipeline_size} pipeline ranks but the cluster has "
-                              f"{self.world_size} (one stage per rank until TP/DP land)")
+        self.stages = self.plan.stages[: self.plan.pipeline_size]
+        where = {r: (s, i) for s, st in enumerate(self.stages) for i, r in enumerate(st.ranks)}
+        if sorted(where) != list(range(self.world_size)):
+            raise ConfigError(f"the plan's stages use ranks {sorted(where)} but the cluster has "
+                              f"{self.world_size}; every rank must be in exactly one stage")
+        self.pp_rank, index = where[self.rank]
+        self.stage = self.stages[self.pp_rank]
+        self.tp_size, self.dp_size = self.stage.tp, self.stage.dp
+        self.dp_rank, self.tp_rank = divmod(index, self.tp_size)
         self.group_index, self.group = self.cluster.group_of(self.rank)
         self.device = self._device(self.group)
         self._check_vendor()
         self.vendor_groups: list[Optional[dist.ProcessGroup]] = []
+        self.tp_group: Optional[dist.ProcessGroup] = None
+        self.dp_group: Optional[dist.ProcessGroup] = None
         self.p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self.embedding_group: Optional[dist.ProcessGroup] = None
         self.channels: dict[int, Channel] = {}
+
+    @property
+    def pipeline_size(self) -> int:
+        return len(self.stages)
 
     def _device(self, group: GroupConfig) -> torch.device:
         if group.on_cpu:
@@ -157,43 +236,74 @@ class Topology:
 
     def stage_name(self, rank: int) -> str:
         g = self.cluster.group_of(rank)[1]
-        return f"stage {rank} (group {g.name}, {g.vendor}, rank {rank})"
+        s = next(i for i, st in enumerate(self.stages) if rank in st.ranks)
+        st = self.stages[s]
+        d, t = divmod(st.ranks.index(rank), st.tp)
+        coords = f", DP {d}, TP {t}" if st.tp * st.dp > 1 else ""
+        return f"stage {s} (group {g.name}, {g.vendor}, rank {rank}{coords})"
 
     def is_cross_vendor(self, a: int, b: int) -> bool:
         return self.cluster.group_of(a)[0] != self.cluster.group_of(b)[0]
 
     @property
     def neighbours(self) -> list[int]:
-        """Ranks this rank exchanges activations with (wrapping when interleaved)."""
-        p = self.world_size
+        """Pipeline stages this rank exchanges activations with (wrapping when interleaved)."""
+        p = self.pipeline_size
         if p == 1:
             return []
         if self.plan.num_chunks > 1:
-            return sorted({(self.rank - 1) % p, (self.rank + 1) % p})
-        return [r for r in (self.rank - 1, self.rank + 1) if 0 <= r < p]
+            return sorted({(self.pp_rank - 1) % p, (self.pp_rank + 1) % p})
+        return [s for s in (self.pp_rank - 1, self.pp_rank + 1) if 0 <= s < p]
+
+    def _stage_pairs(self) -> list[tuple[int, int]]:
+        """Ordered (stage, stage) pairs that exchange messages, both directions."""
+        p = self.pipeline_size
+        pairs = {(s, (s + 1) % p) for s in range(p)} if self.plan.num_chunks > 1 else \
+            {(s, s + 1) for s in range(p - 1)}
+        return sorted({d for a, b in pairs for d in ((a, b), (b, a)) if a != b})
+
+    def routes(self, src_stage: int, dst_stage: int) -> list[tuple[int, int]]:
+        """(sender rank, receiver rank) pairs that carry stage ``src_stage``'s
+        messages to ``dst_stage``: receiver (d, t) takes them from (d, t % tp_src)."""
+        a, b = self.stages[src_stage], self.stages[dst_stage]
+        return [(a.ranks[d * a.tp + t % a.tp], b.ranks[d * b.tp + t]) for d in range(b.dp) for t in range(b.tp)]
 
     # -- process groups and channels ---------------------------------------------
     def init_process_groups(self, tied_embeddings: bool) -> None:
-        """Create the world, vendor, boundary and embedding groups (same order on every rank)."""
+        """Create the world, vendor, TP, DP, boundary and embedding groups (same order on every rank)."""
         if self.world_size == 1:
             return
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
         for i, g in enumerate(self.cluster.groups):
             self.vendor_groups.append(self._new_group(self.cluster.group_ranks(i), g))
-        # One communicator per direction of every same-vendor boundary (see
-        # comm/p2p.py for why NCCL needs this).
+        for st in self.stages:
+            vendor = self.cluster.group_of(st.ranks[0])[1]
+            if st.tp > 1:
+                for d in range(st.dp):
+                    ranks = st.ranks[d * st.tp:(d + 1) * st.tp]
+                    group = self._new_group(ranks, vendor)
+                    if self.rank in ranks:
+                        self.tp_group = group
+            if st.dp > 1:
+                for t in range(st.tp):
+                    ranks = st.ranks[t::st.tp]
+                    group = self._new_group(ranks, vendor)
+                    if self.rank in ranks:
+                        self.dp_group = group
+        # One communicator per direction of every same-vendor rank pair at a
+        # stage boundary (see comm/p2p.py for why NCCL needs this).
         for src, dst in self._same_vendor_directions():
             group = self._new_group([src, dst], self.cluster.group_of(src)[1])
             if self.rank in (src, dst):
                 self.p2p_groups[(src, dst)] = group
-        first, last = 0, self.world_size - 1
-        if self.plan.num_chunks > 1:
-            last = (len(self.plan.stages) - 1) % self.world_size
-        if tied_embeddings and first != last:
-            group = dist.new_group([first, last], backend="gloo")
-            if self.rank in (first, last):
-                self.embedding_group = group
+        last = (len(self.plan.stages) - 1) % self.pipeline_size
+        if tied_embeddings and last != 0:
+            first_stage, last_stage = self.stages[0], self.stages[last]
+            for i, (a, b) in enumerate(zip(first_stage.ranks, last_stage.ranks)):
+                group = dist.new_group([a, b], backend="gloo")
+                if self.rank in (a, b):
+                    self.embedding_group = group
 
     def _new_group(self, ranks: list[int], group: GroupConfig) -> dist.ProcessGroup:
         """A gloo group for CPU ranks; an NCCL (RCCL on ROCm) group for GPU ranks,
@@ -206,11 +316,8 @@ class Topology:
 
     def _same_vendor_directions(self) -> list[tuple[int, int]]:
         """Ordered (sender, receiver) rank pairs of all same-vendor boundaries."""
-        p = self.world_size
-        pairs = {(r, (r + 1) % p) for r in range(p)} if self.plan.num_chunks > 1 else \
-            {(r, r + 1) for r in range(p - 1)}
-        both = {d for a, b in pairs for d in ((a, b), (b, a)) if a != b}
-        return sorted(d for d in both if not self.is_cross_vendor(*d))
+        pairs = {pair for a, b in self._stage_pairs() for pair in self.routes(a, b)}
+        return sorted(d for d in pairs if d[0] != d[1] and not self.is_cross_vendor(*d))
 
     def job_token(self) -> str:
         """The job's shared secret for channel handshakes: $HETPIPE_JOB_TOKEN (set by
@@ -224,21 +331,33 @@ class Topology:
         return store.get("hetpipe/job_token").decode()
 
     def build_channels(self) -> dict[int, Channel]:
-        """One channel per neighbour: the vendor group's own P2P inside a group,
-        the configured cross-vendor channel across a vendor line."""
+        """One channel per neighbouring *stage*, keyed by its pipeline index.
+
+        Underneath, each neighbouring rank gets the vendor group's own P2P
+        (same vendor) or the configured cross-vendor channel; a
+        :class:`RoutedChannel` maps a stage to those ranks.
+        """
         from hetpipe.comm.direct import DirectChannel
         from hetpipe.comm.gloo import GlooChannel
         from hetpipe.comm.p2p import TorchP2PChannel
+        from hetpipe.comm.routed import RoutedChannel
         from hetpipe.comm.tcp import TcpChannel
 
         t = self.cluster.transport
         token = self.job_token()  # on every rank: rank 0 may have no cross-vendor peer
         names = {r: self.stage_name(r) for r in range(self.world_size)}
-        same = [r for r in self.neighbours if not self.is_cross_vendor(self.rank, r)]
-        cross = [r for r in self.neighbours if self.is_cross_vendor(self.rank, r)]
+        targets: dict[int, list[int]] = {}
+        sources: dict[int, int] = {}
+        for s in self.neighbours:
+            targets[s] = [dst for src, dst in self.routes(self.pp_rank, s) if src == self.rank]
+            sources[s] = next(src for src, dst in self.routes(s, self.pp_rank) if dst == self.rank)
+        peers = sorted({r for rs in targets.values() for r in rs} | set(sources.values()))
+        same = [r for r in peers if not self.is_cross_vendor(self.rank, r)]
+        cross = [r for r in peers if self.is_cross_vendor(self.rank, r)]
+        by_rank: dict[int, Channel] = {}
         if same:
             channel = TorchP2PChannel(self.rank, same, names, self.p2p_groups, deadline=t.deadline_s)
-            self.channels.update({r: channel for r in same})
+            by_rank.update({r: channel for r in same})
         kind = check_transport_available(self.cluster)
         if cross:
             if kind == "direct":
@@ -252,11 +371,15 @@ class Topology:
                                      deadline=t.deadline_s, device=self.device)
             else:
                 channel = GlooChannel(self.rank, cross, names, None, deadline=t.deadline_s)
-            self.channels.update({r: channel for r in cross})
+            by_rank.update({r: channel for r in cross})
+        self._rank_channels = by_rank
+        stage_names = {s: f"stage {s}" for s in range(self.pipeline_size)}
+        for s in self.neighbours:
+            self.channels[s] = RoutedChannel(self.rank, s, stage_names[s], targets[s], sources[s], by_rank)
         return self.channels
 
     def close(self) -> None:
-        for channel in set(self.channels.values()):
+        for channel in set(getattr(self, "_rank_channels", {}).values()):
             channel.close()
         self.channels.clear()
         if dist.is_initialized():

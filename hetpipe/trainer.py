@@ -13,7 +13,7 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -58,17 +58,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig,
-                    device: torch.device) -> torch.optim.AdamW:
-    """AdamW; matrices get weight decay, norms and biases do not (as in Megatron)."""
-    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig, device: torch.device,
+                    dp_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+    """AdamW; matrices get weight decay, norms and biases do not (as in Megatron).
+
+    With ``opt.distributed`` and a DP group, the ZeRO-1
+    :class:`~hetpipe.parallel.data.DistributedOptimizer` shards the state over it.
+    """
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
     kwargs = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
     # The fused kernel is one launch per step instead of several per tensor.
     fused = device.type in ("cuda", "cpu")
+    if opt.distributed and dp_group is not None:
+        from hetpipe.parallel.data import DistributedOptimizer
+
+        groups = [
+            {"params": [(n, p) for n, p in named if p.ndim >= 2], "weight_decay": opt.weight_decay},
+            {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        return DistributedOptimizer(groups, dp_group, weight_decay=opt.weight_decay, fused=fused, **kwargs)
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": opt.weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, fused=fused, **kwargs)
 
 
@@ -100,11 +112,11 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     return launch(cfg.cluster, run_rank, cfg_dict, plan.to_yaml(), str(run_dir))
 
 
-def _loader(cfg: PretrainConfig) -> MicrobatchLoader:
+def _loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> MicrobatchLoader:
     t = cfg.train
     return MicrobatchLoader(cfg.data.path, cfg.data.tokenizer, seq_length=t.seq_length,
                             global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                            vocab_size=cfg.model.vocab_size, seed=t.seed)
+                            vocab_size=cfg.model.vocab_size, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size)
 
 
 def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
@@ -119,31 +131,63 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
         topo.close()
 
 
+def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
+    """This rank's model chunks: built whole from the seed, then cut to its TP shard."""
+    from hetpipe.parallel.tensor import parallelize_tensor
+
+    ranges = plan.unit_ranges()
+    P = plan.pipeline_size
+    chunks = []
+    for c in range(plan.num_chunks):
+        chunk = build_model(cfg.model, seed=cfg.train.seed, units=ranges[c * P + topo.pp_rank], device=topo.device)
+        if topo.tp_size > 1:
+            parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
+                               sequence_parallel=cfg.partition.sequence_parallel)
+        if cfg.train.compile:
+            for layer in chunk.layers.values():
+                layer.compile()
+        chunks.append(chunk)
+    return chunks
+
+
 def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) -> list[float]:
+    from hetpipe.parallel.checkpoint import gather_for_save, shard_fn
+    from hetpipe.parallel.data import GradReducer
+    from hetpipe.parallel.tensor import finalize_tensor_parallel_grads
+
     t = cfg.train
     device = topo.device
     bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
-    channels = topo.build_channels() if topo.world_size > 1 else {}
-    loader = _loader(cfg)
-    ranges = plan.unit_ranges()
+    channels = topo.build_channels() if topo.pipeline_size > 1 else {}
+    loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
-    my_stages = [c * P + topo.rank for c in range(plan.num_chunks)]
-    chunks = [build_model(cfg.model, seed=t.seed, units=ranges[v], device=device) for v in my_stages]
-    if t.compile:
-        for chunk in chunks:
-            for layer in chunk.layers.values():
-                layer.compile()
-    actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.rank]
-    engine = PipelineEngine(chunks, actions, channels, rank=topo.rank, pipeline_size=P,
+    chunks = _build_chunks(cfg, plan, topo)
+    actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
+    engine = PipelineEngine(chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
                             activation_dtype=torch.float32, device=device, bf16=bf16)
-    optimizer = build_optimizer(chunks, cfg.optimizer, device)
+    if device.type == "cuda" and topo.world_size > 1 and not os.environ.get("HETPIPE_SKIP_WARMUP"):
+        # Load every kernel before any receive is posted ahead (see warm_up;
+        # HETPIPE_SKIP_WARMUP=1 is for reproducing the deadlock it prevents).
+        # Before the DP reducer exists: its hooks would count these gradients.
+        shape = (t.micro_batch_size, t.seq_length)
+        engine.warm_up((torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)))
+    reducer = None
+    if topo.dp_size > 1:
+        reducer = GradReducer(chunks, topo.dp_group, bucket_bytes=int(cfg.partition.grad_bucket_mb * 2**20),
+                              microbatches_per_step=loader.num_microbatches)
+    optimizer = build_optimizer(chunks, cfg.optimizer, device, topo.dp_group)
     world_group = dist.group.WORLD if topo.world_size > 1 else None
-    clipper = GradNormClipper(cfg.model, chunks, world_group)
+    clipper = GradNormClipper(cfg.model, chunks, world_group, contributes=topo.dp_rank == 0)
+    is_last_stage = any(chunk.is_last for chunk in chunks)
+    counts_loss = is_last_stage and topo.tp_rank == 0
+    global_microbatches = loader.num_microbatches * topo.dp_size
+    writer = topo.dp_rank == 0 and topo.tp_rank == 0
 
-    start = restore(cfg.checkpoint, run_dir, chunks, optimizer, loader, topo.rank, topo.world_size, cfg.model)
+    start = restore(cfg.checkpoint, run_dir, chunks, optimizer, loader, topo.rank, topo.world_size, cfg.model,
+                    shard=shard_fn(chunks))
     logger = None
     if topo.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -158,17 +202,13 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
             wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)))
         layers = [s.layers for s in plan.stages]
+        degrees = sorted({(s.tp, s.dp) for s in plan.stages})
+        parallel = ", ".join(f"TP{tp} x DP{dp}" for tp, dp in degrees)
         print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
               f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
-              f"layers per stage {layers}, {plan.schedule}, {'bf16' if bf16 else 'fp32'}, "
-              f"{loader.num_microbatches} microbatches/step, {loader.tokens_per_step} tokens/step, "
+              f"layers per stage {layers}, {parallel}, {plan.schedule}, {'bf16' if bf16 else 'fp32'}, "
+              f"{loader.num_microbatches} microbatches/step per DP rank, {loader.tokens_per_step} tokens/step, "
               f"run dir {run_dir}", flush=True)
-
-    if device.type == "cuda" and topo.world_size > 1 and not os.environ.get("HETPIPE_SKIP_WARMUP"):
-        # Load every kernel before any receive is posted ahead (see warm_up;
-        # HETPIPE_SKIP_WARMUP=1 is for reproducing the deadlock it prevents).
-        shape = (t.micro_batch_size, t.seq_length)
-        engine.warm_up((torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)))
 
     losses = []
     try:
@@ -177,19 +217,32 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = engine.run_step(loader.next_step())
+            if reducer is not None:
+                reducer.finish()  # every .grad is now the DP average
+            if topo.tp_size > 1:
+                for chunk in chunks:
+                    finalize_tensor_parallel_grads(chunk)
             sync_tied_embedding_grads(chunks, topo.embedding_group)
-            grad_norm, total_loss = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum)
+            grad_norm, total_loss = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum,
+                                                 extra_contributes=counts_loss)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            mean_loss = total_loss / loader.num_microbatches
+            if reducer is not None:
+                reducer.zero_grad()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+            mean_loss = total_loss / global_microbatches
             losses.append(mean_loss)
             if logger is not None:
                 logger.record(step + 1, mean_loss, grad_norm, lr, loader.state_dict()["consumed_samples"])
             if should_save(cfg.checkpoint, step + 1, t.train_iters):
                 if logger is not None:
                     logger.flush()  # metrics up to the checkpoint are on disk with it
+                model_state = optim_state = None
+                if topo.tp_size > 1 or topo.dp_size > 1:
+                    model_state, optim_state = gather_for_save(chunks, optimizer, writer)
                 save_checkpoint(cfg.checkpoint, run_dir, step + 1, chunks, optimizer, loader.state_dict(),
-                                topo.rank, topo.world_size, cfg.model, plan)
+                                topo.rank, topo.world_size, cfg.model, plan,
+                                model_state=model_state, optim_state=optim_state)
     finally:
         if logger is not None:
             logger.close()

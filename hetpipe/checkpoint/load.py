@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -21,7 +21,8 @@ from hetpipe.checkpoint.hf_import import load_hf_weights
 from hetpipe.checkpoint.layout import (TRAINER_STATE, incomplete_checkpoints, latest_checkpoint,
                                        resolve_checkpoint, rng_file)
 from hetpipe.checkpoint.manifest import Checkpoint, CheckpointError
-from hetpipe.checkpoint.names import chunk_units, load_targets, parameter_names, whole_model_shapes
+from hetpipe.checkpoint.names import (canonical_name, chunk_units, load_targets, parameter_names,
+                                     whole_model_shapes)
 from hetpipe.checkpoint.rng import restore_rng
 from hetpipe.models import CausalLM, ModelConfig
 
@@ -58,8 +59,29 @@ def _optimizer_keys(ckpt: Checkpoint, names: Sequence[str]) -> dict[str, list[st
     return keys
 
 
+Shard = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _identity(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def read_optimizer_tensors(ckpt: Checkpoint, names: Sequence[str], shard: Optional[Shard] = None
+                           ) -> dict[str, dict[str, torch.Tensor]]:
+    """{canonical name: {state key: tensor}} for ``names``, each tensor passed
+    through ``shard`` (this rank's tensor-parallel slice; ``step`` is left alone)."""
+    shard = shard or _identity
+    keys = _optimizer_keys(ckpt, list(names))
+    wanted = [f"{key}/{name}" for name, ks in keys.items() for key in ks]
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in ckpt.iter_tensors(wanted):
+        key, _, name = tensor_name.partition("/")
+        out.setdefault(name, {})[key] = tensor if key == "step" else shard(name, tensor)
+    return out
+
+
 def _optimizer_state_dict(ckpt: Checkpoint, chunks: Sequence[CausalLM],
-                          optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+                          optimizer: torch.optim.Optimizer, shard: Optional[Shard] = None) -> dict[str, Any]:
     """The optimizer's own state_dict, with state read from the checkpoint by name."""
     names = parameter_names(chunks)
     current = optimizer.state_dict()
@@ -70,13 +92,11 @@ def _optimizer_state_dict(ckpt: Checkpoint, chunks: Sequence[CausalLM],
     index_of = {names[id(p)][0]: [] for p in params}
     for i, p in enumerate(params):
         index_of[names[id(p)][0]].append(i)
-    keys = _optimizer_keys(ckpt, list(index_of))
-    wanted = [f"{key}/{name}" for name, ks in keys.items() for key in ks]
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for tensor_name, tensor in ckpt.iter_tensors(wanted):
-        key, _, name = tensor_name.partition("/")
-        for i in index_of[name]:  # a tied head copy shares the embedding's state
-            state.setdefault(i, {})[key] = tensor if len(index_of[name]) == 1 else tensor.clone()
+    for name, tensors in read_optimizer_tensors(ckpt, list(index_of), shard).items():
+        for key, tensor in tensors.items():
+            for i in index_of[name]:  # a tied head copy shares the embedding's state
+                state.setdefault(i, {})[key] = tensor if len(index_of[name]) == 1 else tensor.clone()
     for i, p in enumerate(params):
         for key, value in state.get(i, {}).items():
             if key != "step" and value.shape != p.shape:
@@ -87,11 +107,16 @@ def _optimizer_state_dict(ckpt: Checkpoint, chunks: Sequence[CausalLM],
 
 def load_checkpoint(path: str | Path, chunks: Sequence[CausalLM], optimizer: Optional[torch.optim.Optimizer] = None,
                     *, loader: Optional[MicrobatchLoader] = None, rank: int = 0,
-                    world_size: int = 1) -> LoadedCheckpoint:
+                    world_size: int = 1, shard: Optional[Shard] = None) -> LoadedCheckpoint:
     """Load weights (and optimizer, sampler and RNG state when given) into this rank's chunks.
 
     ``path`` is a checkpoint directory or a save directory (its latest one).
+    Checkpoints hold whole tensors; ``shard(name, tensor)`` cuts out the part
+    this rank holds under tensor parallelism. An optimizer with its own
+    sharded state (ZeRO-1) takes its state through ``load_full_state_dict``
+    with the tensors :func:`read_optimizer_tensors` returns.
     """
+    shard = shard or _identity
     ckpt = Checkpoint(resolve_checkpoint(path))
     cfg = chunks[0].cfg
     saved_shapes = {name: tuple(e["shape"]) for name, e in ckpt.tensors.items() if "/" not in name}
@@ -108,7 +133,16 @@ def load_checkpoint(path: str | Path, chunks: Sequence[CausalLM], optimizer: Opt
     # (read into memory whole, as it becomes the optimizer state anyway).
     ckpt.verify(sorted(files))
     trainer_state = ckpt.read_json(TRAINER_STATE)
-    optim_state = _optimizer_state_dict(ckpt, chunks, optimizer) if optimizer is not None else None
+    optim_state = None
+    if optimizer is not None and hasattr(optimizer, "load_full_state_dict"):
+        # Names the optimizer knows its parameters by are the chunks' own;
+        # tied head copies read the embedding's state.
+        own = {name: canonical for chunk in chunks
+               for name, canonical in ((n, canonical_name(chunk.cfg, n)) for n, _ in chunk.named_parameters())}
+        saved = read_optimizer_tensors(ckpt, sorted(set(own.values())), shard)
+        full = {name: saved[canonical] for name, canonical in own.items() if canonical in saved}
+    elif optimizer is not None:
+        optim_state = _optimizer_state_dict(ckpt, chunks, optimizer, shard)
     if loader is not None:  # refuses a different data order before anything else changes
         loader.load_state_dict(trainer_state["sampler"])
 
@@ -118,9 +152,11 @@ def load_checkpoint(path: str | Path, chunks: Sequence[CausalLM], optimizer: Opt
     with torch.no_grad():
         for name, tensor in ckpt.iter_tensors(names):
             for target in by_name[name]:
-                target.copy_(tensor)
+                target.copy_(shard(name, tensor))
     if optim_state is not None:
         optimizer.load_state_dict(optim_state)
+    elif optimizer is not None and full:
+        optimizer.load_full_state_dict(full)
     if restore_rng_state:
         restore_rng(*ckpt.read_file(rng_file(rank)), next(chunks[0].parameters()).device)
     return LoadedCheckpoint(ckpt.path, ckpt.step, trainer_state, restore_rng_state)
@@ -128,7 +164,7 @@ def load_checkpoint(path: str | Path, chunks: Sequence[CausalLM], optimizer: Opt
 
 def restore(cfg: CheckpointConfig, run_dir: str | Path, chunks: Sequence[CausalLM],
             optimizer: torch.optim.Optimizer, loader: Optional[MicrobatchLoader], rank: int, world_size: int,
-            model_cfg: ModelConfig) -> int:
+            model_cfg: ModelConfig, shard: Optional[Shard] = None) -> int:
     """What a run starts from: a checkpoint (``cfg.resume``), else HF weights
     (``cfg.load_hf``), else its fresh init. Returns the optimizer steps already done.
 
@@ -146,7 +182,8 @@ def restore(cfg: CheckpointConfig, run_dir: str | Path, chunks: Sequence[CausalL
     elif cfg.resume is not None:
         path = resolve_checkpoint(cfg.resume)
     if path is not None:
-        loaded = load_checkpoint(path, chunks, optimizer, loader=loader, rank=rank, world_size=world_size)
+        loaded = load_checkpoint(path, chunks, optimizer, loader=loader, rank=rank, world_size=world_size,
+                                 shard=shard)
         if rank == 0:
             rng = "RNG states restored" if loaded.rng_restored else "RNG states not restored: the plan differs"
             print(f"hetpipe: resumed from {loaded.path} after step {loaded.step}; {rng}", flush=True)

@@ -76,7 +76,9 @@ def save_checkpoint(cfg: CheckpointConfig, run_dir: str | Path, step: int, chunk
                     optimizer: torch.optim.Optimizer, loader_state: Mapping[str, Any], rank: int,
                     world_size: int, model_cfg: ModelConfig, plan: Optional[Plan] = None, *,
                     barrier: Optional[Callable[[], None]] = None,
-                    extra_state: Optional[Mapping[str, Any]] = None) -> Path:
+                    extra_state: Optional[Mapping[str, Any]] = None,
+                    model_state: Optional[Mapping[str, torch.Tensor]] = None,
+                    optim_state: Optional[Mapping[str, torch.Tensor]] = None) -> Path:
     """Save the state after ``step`` optimizer steps; a collective over all ranks.
 
     ``loader_state`` is the data loader's ``state_dict()``; ``extra_state`` is
@@ -84,6 +86,11 @@ def save_checkpoint(cfg: CheckpointConfig, run_dir: str | Path, step: int, chunk
     defaults to a barrier over the world group when ``world_size`` > 1; tests
     pass a no-op and call rank 1 ... then rank 0 to play several ranks in one
     process. Returns the committed checkpoint directory.
+
+    ``model_state`` / ``optim_state`` replace what this rank would save from
+    ``chunks`` / ``optimizer``: under tensor or data parallelism the trainer
+    gathers whole tensors onto one writer per stage and passes empty dicts on
+    the other ranks (:func:`hetpipe.parallel.checkpoint.gather_for_save`).
     """
     if barrier is None:
         barrier = _world_barrier if world_size > 1 else (lambda: None)
@@ -96,8 +103,12 @@ def save_checkpoint(cfg: CheckpointConfig, run_dir: str | Path, step: int, chunk
     # Weights and optimizer state go into the manifest's tensor index (any
     # rank of any plan may need them); RNG states are read back only by the
     # same rank of the same plan, as a whole file.
-    model_record, index = _save_tensors(owned_state(chunks), tmp / model_file(rank))
-    optim_record, optim_index = _save_tensors(optimizer_state(chunks, optimizer), tmp / optim_file(rank))
+    if model_state is None:
+        model_state = owned_state(chunks)
+    if optim_state is None:
+        optim_state = optimizer_state(chunks, optimizer)
+    model_record, index = _save_tensors(model_state, tmp / model_file(rank))
+    optim_record, optim_index = _save_tensors(optim_state, tmp / optim_file(rank))
     rng_tensors, rng_metadata = capture_rng(device)
     rng_record, _ = _save_tensors(rng_tensors, tmp / rng_file(rank), rng_metadata)
     index.update(optim_index)
