@@ -74,6 +74,10 @@ class Attention(nn.Module):
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
+        # The tables come in the residual stream's dtype (fp32); under autocast
+        # q/k are bf16, and rotating them in bf16 (as Hugging Face's bf16
+        # models do) keeps fp32 copies of q and k out of the saved activations.
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.num_groups != self.num_heads)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -106,11 +107,20 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
     with log.open("w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
+        # Its own session, so a timeout takes down the launcher's workers too
+        # (they hold the GPUs; the next variant would start out of memory).
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = 124
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     return rc, time.perf_counter() - start
 
 
