@@ -167,7 +167,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
     engine = PipelineEngine(chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
-                            activation_dtype=torch.float32, device=device, bf16=bf16)
+                            activation_dtype=torch.float32, device=device, bf16=bf16,
+                            recv_ahead=cfg.partition.recv_ahead)
     if device.type == "cuda" and topo.world_size > 1 and not os.environ.get("HETPIPE_SKIP_WARMUP"):
         # Load every kernel before any receive is posted ahead (see warm_up;
         # HETPIPE_SKIP_WARMUP=1 is for reproducing the deadlock it prevents).

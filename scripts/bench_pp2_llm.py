@@ -13,6 +13,7 @@ variant, each through the user's entry point (``python -m hetpipe.pretrain``):
            PyTorch's torch.distributed.pipelining Schedule1F1B
            (scripts/bench_pipelining_peer.py)
   tp2      one stage, TP=2 over both GPUs in one NVIDIA group (issue 5's figure)
+  nccl_ra1 nccl with each receive posted only when needed (partition.recv_ahead=1)
 
 A ``+compile`` suffix (``nccl+compile``, ``peer+compile``) compiles the decoder
 layers. The first ``--warmup`` steps are not timed (they include kernel
@@ -44,6 +45,8 @@ CLUSTERS = {
     "tcp1": ["cluster=gpu2_mixed", "cluster.transport.kind=tcp", "cluster.transport.streams_per_address=1"],
     "gloo": ["cluster=gpu2_mixed", "cluster.transport.kind=gloo"],
     "tp2": ["cluster=gpu2_homogeneous", "partition.tp=2", "partition.layers=null"],
+    # The NCCL boundary without receives posted ahead of use (Megatron's way).
+    "nccl_ra1": ["cluster=gpu2_homogeneous", "partition.recv_ahead=1"],
 }
 
 
