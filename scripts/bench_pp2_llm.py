@@ -12,11 +12,16 @@ variant, each through the user's entry point (``python -m hetpipe.pretrain``):
   peer     the same model, split, data, microbatches and precision through
            PyTorch's torch.distributed.pipelining Schedule1F1B
            (scripts/bench_pipelining_peer.py)
-  tp2      one stage, TP=2 over both GPUs in one NVIDIA group (issue 5's figure)
+  tp2      one stage, TP=2 over both GPUs in one NVIDIA group; on 4/8 GPUs TP2
+           inside the first vendor group only (its stage TP2, the other group's TP1)
   nccl_ra1 nccl with each receive posted only when needed (partition.recv_ahead=1)
 
+``--gpus 4`` / ``--gpus 8`` run the paper's shape: two vendor groups of 2 (4)
+GPUs, each one pipeline stage replicated DP2 (DP4), configs gpu4_*/gpu8_*;
+--microbatches stays per DP replica so the per-GPU batch equals the 2-GPU run.
+
 A ``+compile`` suffix (``nccl+compile``, ``peer+compile``) compiles the decoder
-layers. The first ``--warmup`` steps are not timed (they include kernel
+layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true). The first ``--warmup`` steps are not timed (they include kernel
 loading and compilation). Prints a table with TFLOP/s per GPU (Megatron's
 formula), tokens/s, MFU, peak memory per GPU and each variant's ratio to nccl
 (and nccl's to the peer); writes ``results.json`` and ``results.md`` to --out.
@@ -38,30 +43,53 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-CLUSTERS = {
-    "nccl": ["cluster=gpu2_homogeneous"],
-    "direct": ["cluster=gpu2_mixed", "cluster.transport.kind=direct"],
-    "tcp4": ["cluster=gpu2_mixed", "cluster.transport.kind=tcp", "cluster.transport.streams_per_address=4"],
-    "tcp1": ["cluster=gpu2_mixed", "cluster.transport.kind=tcp", "cluster.transport.streams_per_address=1"],
-    "gloo": ["cluster=gpu2_mixed", "cluster.transport.kind=gloo"],
-    "tp2": ["cluster=gpu2_homogeneous", "partition.tp=2", "partition.layers=null"],
-    # The NCCL boundary without receives posted ahead of use (Megatron's way).
-    "nccl_ra1": ["cluster=gpu2_homogeneous", "partition.recv_ahead=1"],
-}
+VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra1")
+
+
+def variant_overrides(base: str, gpus: int) -> list[str]:
+    """Hydra overrides of one boundary variant on ``gpus`` local GPUs.
+
+    Two GPUs: PP2. Four or eight: two vendor groups of gpus/2, each one
+    pipeline stage replicated DP = gpus/2 times (the paper's PP2 x DP shape).
+    ``tp2`` is one TP2 stage (two GPUs), or on 4/8 GPUs TP2 inside the first
+    group only, its other groups' stages at TP1.
+    """
+    dp = [] if gpus == 2 else [f"partition.dp={gpus // 2}"]
+    homogeneous, mixed = f"cluster=gpu{gpus}_homogeneous", f"cluster=gpu{gpus}_mixed"
+    if base == "nccl":
+        return [homogeneous, *dp]
+    if base == "nccl_ra1":  # without receives posted ahead of use (Megatron's way)
+        return [homogeneous, "partition.recv_ahead=1", *dp]
+    if base == "direct":
+        return [mixed, "cluster.transport.kind=direct", *dp]
+    if base in ("tcp4", "tcp1"):
+        return [mixed, "cluster.transport.kind=tcp", f"cluster.transport.streams_per_address={base[-1]}", *dp]
+    if base == "gloo":
+        return [mixed, "cluster.transport.kind=gloo", *dp]
+    if base == "tp2":
+        if gpus == 2:
+            return [homogeneous, "partition.tp=2", "partition.layers=null"]
+        # DP must be equal across stages: nvidia TP2 x DP(gpus/4) is one stage, amd TP1 x DP(gpus/4) two.
+        return [mixed, "partition.tp_per_group=[2,1]", f"partition.dp={gpus // 4}", "partition.layers=null"]
+    raise ValueError(base)
 
 
 def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def run_hetpipe(args, variant: str, compiled: bool, out: Path) -> dict:
+def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
     layers = "[" + args.layers + "]"
+    # --microbatches is per DP replica: the per-GPU batch stays that of the 2-GPU run.
+    replicas = 1 if args.gpus == 2 else (args.gpus // 4 if variant == "tp2" else args.gpus // 2)
     overrides = [f"+model={args.model}", f"train.seq_length={args.seq_length}",
                  f"train.micro_batch_size={args.micro_batch_size}",
-                 f"train.global_batch_size={args.micro_batch_size * args.microbatches}",
-                 f"train.train_iters={args.steps}", "train.log_interval=1", f"train.compile={compiled}",
+                 f"train.global_batch_size={args.micro_batch_size * args.microbatches * replicas}",
+                 f"train.train_iters={args.steps}", "train.log_interval=1", f"train.compile={'compile' in flags}",
+                 f"optimizer.distributed={'zero1' in flags}",
                  "optimizer.lr_warmup_iters=1", "logging.progress=false", f"data.path={args.data}",
-                 f"partition.layers={layers}", f"hydra.run.dir={out}", *CLUSTERS[variant], *args.set]
+                 f"partition.layers={layers}", f"hydra.run.dir={out}", *variant_overrides(variant, args.gpus),
+                 *args.set]
     cmd = [sys.executable, "-m", "hetpipe.pretrain", *overrides]
     rc, elapsed = _run(cmd, out.with_suffix(".log"), args.timeout)
     result = {"rc": rc, "wall_s": elapsed}
@@ -130,10 +158,11 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
 def table(results: dict[str, dict], args) -> str:
     ref = results.get("nccl", {}).get("tflops_per_gpu")
     peer = results.get("peer", {}).get("tflops_per_gpu")
-    lines = [f"{args.model}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
-             f"{args.microbatches} microbatches, split {args.layers}, {args.steps} steps "
+    gpus = getattr(args, "gpus", 2)
+    lines = [f"{args.model}, {gpus} GPUs, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
+             f"{args.microbatches} microbatches per DP replica, split {args.layers}, {args.steps} steps "
              f"({args.warmup} untimed)", "",
-             "| variant | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1) | vs nccl | loss, last step |",
+             "| variant | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1, ...) | vs nccl | loss, last step |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         tf = r.get("tflops_per_gpu")
@@ -152,7 +181,7 @@ def table(results: dict[str, dict], args) -> str:
 
 def _mem(r: dict) -> str:
     mem = r.get("peak_mem_gib") or []
-    return ", ".join(f"{m:.1f}" for m in mem) if mem else "-"
+    return ", ".join("-" if m is None else f"{m:.1f}" for m in mem) if mem else "-"
 
 
 def main() -> None:
@@ -167,6 +196,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--data", default="demo")
     p.add_argument("--variants", default="nccl,direct,tcp4,tcp1,gloo,peer")
+    p.add_argument("--gpus", type=int, default=2, choices=[2, 4, 8],
+                   help="local GPUs: 2 = PP2; 4/8 = PP2 x DP2/DP4 over two vendor groups")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--set", action="append", default=[], help="extra hydra override for hetpipe runs")
     args = p.parse_args()
@@ -176,14 +207,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for variant in args.variants.split(","):
-        base, _, suffix = variant.partition("+")
-        compiled = suffix == "compile"
-        if base not in CLUSTERS and base != "peer":
-            p.error(f"unknown variant {variant!r}; choose from {sorted(CLUSTERS) + ['peer']} (+compile)")
+        base, *rest = variant.split("+")
+        flags = set(rest)
+        if (base not in VARIANTS and base != "peer") or flags - {"compile", "zero1"}:
+            p.error(f"unknown variant {variant!r}; choose from {list(VARIANTS) + ['peer']}, "
+                    "optionally with +compile and/or +zero1")
+        if base == "peer" and args.gpus != 2:
+            p.error("the pipelining peer runs on two GPUs only")
         print(f"== {variant}", flush=True)
         run_dir = out / variant.replace("+", "_")
-        results[variant] = (run_peer(args, compiled, run_dir) if base == "peer"
-                            else run_hetpipe(args, base, compiled, run_dir))
+        results[variant] = (run_peer(args, "compile" in flags, run_dir) if base == "peer"
+                            else run_hetpipe(args, base, flags, run_dir))
         r = results[variant]
         print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  TFLOP/s/GPU {r.get('tflops_per_gpu')}  "
               f"peak mem {r.get('peak_mem_gib')}", flush=True)
