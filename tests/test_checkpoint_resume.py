@@ -63,6 +63,10 @@ def test_reshard_to_another_split_and_export(tmp_path, shakespeare_prefix, refer
     seeded, _ = _losses(tmp_path, "seeded", shakespeare_prefix, "cluster=cpu_mixed", "partition.layers=[1,3]",
                         "train.train_iters=1", f"checkpoint.load_hf={out}")
     assert seeded[1] < reference[1] - 0.5
+    # The same weights cut into tensor-parallel shards give the same loss.
+    seeded_tp, _ = _losses(tmp_path, "seeded_tp", shakespeare_prefix, "cluster=cpu_homogeneous", "partition.tp=2",
+                           "train.train_iters=1", f"checkpoint.load_hf={out}")
+    assert seeded_tp[1] == pytest.approx(seeded[1], rel=1e-5)
 
 
 def test_corrupted_checkpoint_is_refused_by_name(tmp_path, shakespeare_prefix):

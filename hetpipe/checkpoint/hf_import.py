@@ -108,7 +108,8 @@ def read_hf_config(hf_dir: Path) -> ModelConfig:
     return from_hf_config(hf_config, name=hf_dir.name)
 
 
-def load_hf_weights(hf_dir: str | Path, chunks: Sequence[CausalLM], model_cfg: ModelConfig) -> None:
+def load_hf_weights(hf_dir: str | Path, chunks: Sequence[CausalLM], model_cfg: ModelConfig,
+                    shard=None) -> None:
     """Copy the weights of the units ``chunks`` hold from an HF directory."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
@@ -124,4 +125,5 @@ def load_hf_weights(hf_dir: str | Path, chunks: Sequence[CausalLM], model_cfg: M
                      whole_model_shapes(model_cfg), model_cfg)
     with torch.no_grad():
         for name, target in load_targets(chunks):
-            target.copy_(state[name])
+            # ``shard`` cuts this rank's tensor-parallel slice (None: whole tensors).
+            target.copy_(shard(name, state[name]) if shard is not None else state[name])

@@ -189,7 +189,7 @@ def restore(cfg: CheckpointConfig, run_dir: str | Path, chunks: Sequence[CausalL
             print(f"hetpipe: resumed from {loaded.path} after step {loaded.step}; {rng}", flush=True)
         return loaded.step
     if cfg.load_hf is not None:
-        load_hf_weights(cfg.load_hf, chunks, model_cfg)
+        load_hf_weights(cfg.load_hf, chunks, model_cfg, shard=shard)
         if rank == 0:
             print(f"hetpipe: initialised weights from Hugging Face model {cfg.load_hf}", flush=True)
     return 0
