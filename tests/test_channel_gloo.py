@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import collect
 
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
 
@@ -42,21 +43,7 @@ def run_pair(target, timeout: float = 25.0) -> dict[int, object]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
     results = CTX.Queue()
     procs = [CTX.Process(target=_child, args=(target, r, store.port, results), daemon=True) for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    out: dict[int, object] = {}
-    try:
-        until = time.monotonic() + timeout
-        while len(out) < 2:
-            rank, status, value = results.get(timeout=max(until - time.monotonic(), 0.1))
-            assert status == "ok", f"rank {rank} failed:\n{value}"
-            out[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-    return out
+    return collect(procs, results, timeout)
 
 
 def gloo_exchange(rank: int, store: dist.Store) -> dict[str, object]:

@@ -8,12 +8,12 @@ comes back.
 from __future__ import annotations
 
 import multiprocessing
-import queue
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import collect
 
 from hetpipe.models import ModelConfig, build_model
 from hetpipe.parallel.data import DistributedOptimizer, GradReducer
@@ -46,24 +46,7 @@ def run_ranks(target, tmp_path, timeout: float = 90.0) -> dict[int, dict]:
     results = CTX.Queue()
     procs = [CTX.Process(target=_child, args=(target, r, str(tmp_path / "store"), results), daemon=True)
              for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict] = {}
-    try:
-        while len(out) < WORLD:
-            try:
-                rank, status, value = results.get(timeout=timeout)
-            except queue.Empty:
-                pytest.fail(f"ranks {sorted(set(range(WORLD)) - set(out))} gave no result in {timeout} s")
-            assert status == "ok", f"rank {rank} failed:\n{value}"
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(10.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-    return out
+    return collect(procs, results, timeout)
 
 
 # -- the model and data ------------------------------------------------------

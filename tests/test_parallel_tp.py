@@ -9,12 +9,12 @@ sharded math.
 from __future__ import annotations
 
 import multiprocessing
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import collect
 
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
@@ -209,21 +209,7 @@ def results(tmp_path_factory) -> dict:
     init_file = str(tmp_path_factory.mktemp("tp") / "store")
     queue = CTX.Queue()
     procs = [CTX.Process(target=_rank_main, args=(r, TP, init_file, queue), daemon=True) for r in range(TP)]
-    for proc in procs:
-        proc.start()
-    out = {}
-    try:
-        until = time.monotonic() + 240
-        while len(out) < TP:
-            rank, status, value = queue.get(timeout=max(until - time.monotonic(), 0.1))
-            assert status == "ok", f"rank {rank} failed:\n{value}"
-            out[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-    return out
+    return collect(procs, queue, timeout=240)
 
 
 # ---------------------------------------------------------------------------
