@@ -47,7 +47,7 @@ def test_plan_yaml_round_trip_and_unit_ranges(tmp_path):
     assert Plan.load(tmp_path / "plan.yaml") == plan
     with pytest.raises(ConfigError, match="plan splits 7 layers"):
         build_plan(PartitionConfig(layers=[1, 2, 2, 2]), cluster, model)
-    with pytest.raises(ConfigError, match="has 2 entries but cluster .one. x num_chunks=1 gives 1"):
+    with pytest.raises(ConfigError, match="has 2 entries but cluster .one. gives 1 pipeline stage"):
         build_plan(PartitionConfig(layers=[4, 4]), ClusterConfig(name="one"), model)
 
 

@@ -133,3 +133,17 @@ def test_plan_with_unequal_dp_is_refused(tmp_path, shakespeare_prefix):
                     f"plan={path}"])
     assert proc.returncode == 2, proc.stderr
     assert "DP must be equal across stages" in proc.stderr
+
+
+def test_planner_tp_plan_is_applied_by_pretrain(tmp_path, shakespeare_prefix, reference):
+    # The partitioner's plan carries TP per stage; pretrain runs it as planned.
+    plan_dir = tmp_path / "plan"
+    proc = run_cli(["-m", "hetpipe.plan", *COMMON[:3], "cluster=cpu_homogeneous", "train.seq_length=32",
+                    "train.micro_batch_size=2", "train.global_batch_size=8", "planner.tp=2",
+                    f"hydra.run.dir={plan_dir}"])
+    assert proc.returncode == 0, proc.stderr
+    assert "2x1" in proc.stdout
+    _, got = _train(tmp_path / "run", shakespeare_prefix, "cluster=cpu_homogeneous", f"plan={plan_dir / 'plan.yaml'}")
+    plan = yaml.safe_load((tmp_path / "run" / "plan.yaml").read_text())
+    assert [(s["tp"], s["ranks"]) for s in plan["stages"]] == [(2, [0, 1])]
+    _close(got, reference, 1e-6)
