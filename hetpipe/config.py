@@ -38,7 +38,7 @@ class TrainConfig:
     log_interval: int = 10
     # Dense peak TFLOP/s for MFU; None takes the device catalog's figure.
     peak_tflops: Optional[float] = None
-    # torch.compile each decoder layer (one graph shared by all layers).
+    # torch.compile each decoder layer (Module.compile); not measured on GPUs yet.
     compile: bool = False
 
     def __post_init__(self) -> None:
