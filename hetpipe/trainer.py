@@ -69,19 +69,16 @@ def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig, dev
     kwargs = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
     # The fused kernel is one launch per step instead of several per tensor.
     fused = device.type in ("cuda", "cpu")
+    groups = [
+        {"params": [(n, p) for n, p in named if p.ndim >= 2], "weight_decay": opt.weight_decay},
+        {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
     if opt.distributed and dp_group is not None:
         from hetpipe.parallel.data import DistributedOptimizer
 
-        groups = [
-            {"params": [(n, p) for n, p in named if p.ndim >= 2], "weight_decay": opt.weight_decay},
-            {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
-        ]
+        # Named, so its sharded state can be saved and loaded by parameter name.
         return DistributedOptimizer(groups, dp_group, weight_decay=opt.weight_decay, fused=fused, **kwargs)
-    groups = [
-        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": opt.weight_decay},
-        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, fused=fused, **kwargs)
+    return torch.optim.AdamW([{**g, "params": [p for _, p in g["params"]]} for g in groups], fused=fused, **kwargs)
 
 
 def peak_tflops(cfg: PretrainConfig, device: torch.device) -> float | None:
