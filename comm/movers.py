@@ -445,7 +445,8 @@ class _EventCompletion(Completion):
 class CudaIpcMover(Mover):
     """Device-to-device copies between processes on one host through CUDA (or HIP) IPC.
 
-    NOT EXERCISED IN CI (no GPU there); ROCm/HIP is NOT verified at all.
+    The CUDA path ran on 2x and 4x H200 (docs/benchmarks.md, 2026-11-22) but is
+    not exercised in CI (no GPU there); ROCm/HIP is NOT verified at all.
     Receive buffers are allocated with the runtime's ``malloc`` (so an IPC
     handle maps exactly the buffer, offset 0), registered once and reused.
     The sender copies on a side stream after the stream that produced the
@@ -468,10 +469,9 @@ class CudaIpcMover(Mover):
         self._events: list[int] = []
         self._lock = threading.Lock()
         self._side = torch.cuda.Stream(device=self.device)
-        if not CudaIpcMover._warned:
+        if vendor == "hip" and not CudaIpcMover._warned:
             CudaIpcMover._warned = True
-            log.warning("CudaIpcMover (%s IPC) is not exercised in CI; %s", vendor,
-                        "ROCm/HIP is not verified" if vendor == "hip" else "verify it on your GPUs")
+            log.warning("the device-direct IPC mover over HIP (ROCm) has not been verified on AMD hardware")
 
     def _wrap(self, ptr: int, nbytes: int) -> torch.Tensor:
         """A torch uint8 tensor over raw device memory (no ownership taken)."""

@@ -50,7 +50,9 @@ class TransportConfig:
     # Channel for boundaries that cross vendors: tcp (CPU-forwarding), direct
     # (device-direct: CPU control plane, data through shared memory on CPU or
     # CUDA/HIP IPC on GPUs, one host only), gloo (torch.distributed over gloo),
-    # auto (tcp until device-direct is verified on GPUs).
+    # auto (= tcp: the CUDA/HIP IPC mover needs one vendor's runtime on both
+    # sides, which a real cross-vendor boundary is not, and there is no RDMA
+    # mover across nodes yet).
     kind: str = "auto"
     # Local addresses to stripe each message over (one per NIC).
     addresses: List[str] = field(default_factory=lambda: ["127.0.0.1"])

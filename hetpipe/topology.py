@@ -163,7 +163,8 @@ def check_transport_available(cluster: ClusterConfig) -> str:
         raise ConfigError("cluster.transport.kind=direct moves data through shared memory or CUDA/HIP IPC, "
                           "so both sides of a boundary must be on one host; the RDMA (verbs) mover is not "
                           "implemented yet: use tcp across nodes")
-    # auto stays on the CPU-forwarding channel until device-direct is verified on GPUs.
+    # auto is the CPU-forwarding channel: direct's IPC mover needs one vendor's
+    # runtime on both sides (true only when emulating), and it has no RDMA mover.
     return "tcp" if kind == "auto" else kind
 
 
