@@ -178,6 +178,10 @@ class Mover(ABC):
     def open_remote(self, handle: RegionHandle, *, sender: str = "the peer") -> RemoteRegion:
         """The mapped region for ``handle``, opened on first use and cached by its key."""
         if handle.mover != self.name:
+            if handle.mover.startswith("ipc") and self.name.startswith("ipc"):
+                raise ChannelError(f"{sender} registered a {handle.mover!r} region but this rank is "
+                                   f"{self.name!r}: CUDA IPC and HIP IPC cannot map each other's memory, so a "
+                                   "real NVIDIA-AMD boundary needs cluster.transport.kind=tcp")
             raise ChannelError(f"{sender} registered a {handle.mover!r} region but this rank moves data "
                                f"with {self.name!r}: configure the same mover on both sides")
         with self._remote_lock:
@@ -462,6 +466,8 @@ class CudaIpcMover(Mover):
     def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
         vendor = "hip" if torch.version.hip else "cuda"
+        # The runtime is part of the name: a HIP handle means nothing to CUDA.
+        self.name = f"ipc-{vendor}"
         self.runtime = _RUNTIMES[vendor]()
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._buffers: dict[int, int] = {}  # data_ptr -> raw allocation

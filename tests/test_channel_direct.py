@@ -286,3 +286,19 @@ def test_wrong_token_is_refused_while_the_real_peer_still_connects():
         finally:
             half_open.close()
             rogue.close()
+
+
+def test_a_region_from_another_mover_or_runtime_is_refused_by_name():
+    from hetpipe.comm.movers import RegionHandle, ShmMover
+
+    mover = ShmMover()
+    try:
+        with pytest.raises(ChannelError, match="registered a 'ipc-hip' region .* configure the same mover"):
+            mover.open_remote(RegionHandle("ipc-hip", "k", 16, b"x" * 64), sender="stage 1")
+        # Two IPC movers of different runtimes (an NVIDIA and an AMD rank on one
+        # host) cannot map each other's memory: the error says what to use.
+        mover.name = "ipc-cuda"
+        with pytest.raises(ChannelError, match="CUDA IPC and HIP IPC cannot map .*cluster.transport.kind=tcp"):
+            mover.open_remote(RegionHandle("ipc-hip", "k", 16, b"x" * 64), sender="stage 1")
+    finally:
+        mover.close()
