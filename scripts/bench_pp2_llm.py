@@ -23,8 +23,9 @@ GPUs, each one pipeline stage replicated DP2 (DP4), configs gpu4_*/gpu8_*;
 A ``+compile`` suffix (``nccl+compile``, ``peer+compile``) compiles the decoder
 layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true). The first ``--warmup`` steps are not timed (they include kernel
 loading and compilation). Prints a table with TFLOP/s per GPU (Megatron's
-formula), tokens/s, MFU, peak memory per GPU and each variant's ratio to nccl
-(and nccl's to the peer); writes ``results.json`` and ``results.md`` to --out.
+formula), tokens/s, MFU, peak memory per GPU, each variant's ratio to nccl
+(and nccl's to the peer), and the measured step time beside the cost model's
+prediction for the same plan; writes ``results.json`` and ``results.md`` to --out.
 
 Example (2xH200):
   python scripts/bench_pp2_llm.py --out runs/bench8b --model llama8b --seq-length 8192 \\
@@ -78,6 +79,41 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
+    """The cost model's step time for the plan a run used: same split, TP, DP,
+    group order, transport and optimizer sharding (``python -m hetpipe.plan``
+    with those fixed). Returns (seconds, "") or (None, why not)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from hetpipe.config import resolve
+    from hetpipe.errors import HetpipeError
+    from hetpipe.partitioner.plan import Plan
+    from hetpipe.partitioner.solver import solve
+
+    try:
+        cfg = resolve(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+        plan = Plan.load(run_dir / "plan.yaml")
+    except (OSError, HetpipeError) as exc:
+        return None, f"no run config: {exc}"
+    physical = plan.stages[: plan.pipeline_size]
+    tps = {s.tp for s in physical}
+    if len(tps) > 1 or plan.num_chunks > 1:
+        return None, "the planner fixes one TP degree for all groups and plans 1F1B only"
+    kind = cfg.cluster.transport.kind
+    planner = dataclasses.replace(
+        cfg.planner, tp=tps.pop(), dp=physical[0].dp, recompute=False,
+        stages=[sum(s.group == g.name for s in physical) for g in cfg.cluster.groups],
+        group_order=list(dict.fromkeys(s.group for s in physical)),
+        transport="direct" if kind == "direct" else "cpu_forwarding",
+        distributed_optimizer=cfg.optimizer.distributed)
+    try:
+        return solve(cfg.model, cfg.cluster, cfg.train, planner, [s.layers for s in plan.stages]).step_s, ""
+    except HetpipeError as exc:
+        return None, str(exc)
+
+
 def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
     layers = "[" + args.layers + "]"
     # --microbatches is per DP replica: the per-GPU batch stays that of the 2-GPU run.
@@ -100,7 +136,11 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
         result.update(losses=[r["loss"] for r in rows], steps_timed=len(timed),
                       tflops_per_gpu=mean([r["tflops_per_device"] for r in timed]),
                       tokens_per_s=mean([r["tokens_per_s"] for r in timed]),
-                      mfu=mean([r["mfu"] for r in timed if r["mfu"] is not None]))
+                      mfu=mean([r["mfu"] for r in timed if r["mfu"] is not None]),
+                      step_time_s=mean([r["step_time_s"] for r in timed]))
+        result["predicted_step_s"], why = predicted_step_s(out)
+        if why:
+            result["predicted_note"] = why
     mem = []
     for path in sorted(out.glob("memory_rank*.json")):
         mem.append(json.loads(path.read_text())["peak_allocated_gib"])
@@ -156,26 +196,32 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
 
 
 def table(results: dict[str, dict], args) -> str:
-    ref = results.get("nccl", {}).get("tflops_per_gpu")
+    # The reference is the first nccl variant (with whatever flags it ran).
+    ref = next((r.get("tflops_per_gpu") for name, r in results.items() if name.split("+")[0] == "nccl"), None)
     peer = results.get("peer", {}).get("tflops_per_gpu")
     gpus = getattr(args, "gpus", 2)
     lines = [f"{args.model}, {gpus} GPUs, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
              f"{args.microbatches} microbatches per DP replica, split {args.layers}, {args.steps} steps "
              f"({args.warmup} untimed)", "",
-             "| variant | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1, ...) | vs nccl | loss, last step |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| variant | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1, ...) | vs nccl "
+             "| step s (predicted) | loss, last step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         tf = r.get("tflops_per_gpu")
         if tf is None:
             status = r.get("status") or ("timeout" if r["rc"] == 124 else f"failed rc={r['rc']}")
-            lines.append(f"| {name} | {status} | - | - | {_mem(r)} | - | - |")
+            lines.append(f"| {name} | {status} | - | - | {_mem(r)} | - | - | - |")
             continue
         ratio = f"{tf / ref:.3f}" if ref else "-"
-        if name == "nccl" and peer:
-            ratio = f"1 ({tf / peer:.3f}x peer)"
+        if name.split("+")[0] == "nccl" and peer:
+            ratio = f"{tf / ref:.3f} ({tf / peer:.3f}x peer)"
         mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "-"
         loss = f"{r['losses'][-1]:.4f}" if r.get("losses") else "-"
-        lines.append(f"| {name} | {tf:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {_mem(r)} | {ratio} | {loss} |")
+        step = f"{r['step_time_s']:.3f}" if r.get("step_time_s") else "-"
+        if r.get("predicted_step_s"):
+            step += f" ({r['predicted_step_s']:.3f})"
+        lines.append(f"| {name} | {tf:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {_mem(r)} | {ratio} | {step} "
+                     f"| {loss} |")
     return "\n".join(lines)
 
 
