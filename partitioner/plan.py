@@ -24,7 +24,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 class StagePlan:
     # The vendor group this stage runs in.
     group: str
-    # Global ranks of the stage (one per stage until TP/DP).
+    # Global ranks of the stage: TP x DP of them, index d * tp + t.
     ranks: List[int]
     # Decoder layers this (virtual) stage holds.
     layers: int
