@@ -232,9 +232,6 @@ class Topology:
         check_group_vendor(self.cluster, self.group)
 
     # -- naming -----------------------------------------------------------------
-    def group_name_of(self, rank: int) -> str:
-        return self.cluster.group_of(rank)[1].name
-
     def stage_name(self, rank: int) -> str:
         g = self.cluster.group_of(rank)[1]
         s = next(i for i, st in enumerate(self.stages) if rank in st.ranks)
@@ -374,9 +371,8 @@ class Topology:
                 channel = GlooChannel(self.rank, cross, names, None, deadline=t.deadline_s)
             by_rank.update({r: channel for r in cross})
         self._rank_channels = by_rank
-        stage_names = {s: f"stage {s}" for s in range(self.pipeline_size)}
         for s in self.neighbours:
-            self.channels[s] = RoutedChannel(self.rank, s, stage_names[s], targets[s], sources[s], by_rank)
+            self.channels[s] = RoutedChannel(self.rank, s, f"stage {s}", targets[s], sources[s], by_rank)
         return self.channels
 
     def close(self) -> None:
