@@ -16,6 +16,7 @@ from hetpipe.checkpoint.config import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.config import ModelConfig, preset_names
+from hetpipe.precision import PRECISIONS
 from hetpipe.partitioner.solver import PlannerConfig
 
 
@@ -32,7 +33,9 @@ class TrainConfig:
     train_iters: int = 100
     # Seeds weights (per model unit) and the data order.
     seed: int = 1234
-    # "auto" is bf16 autocast on GPU and fp32 on CPU.
+    # bf16 (bf16 working copies of fp32 main weights, Megatron's --bf16),
+    # bf16-autocast (fp32 weights under torch.autocast), fp32, or auto: bf16
+    # on GPUs, fp32 on CPUs. See hetpipe/precision.py.
     precision: str = "auto"
     # Steps between console log lines (metrics.jsonl gets every step).
     log_interval: int = 10
@@ -49,8 +52,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"train.precision={self.precision!r} must be auto, bf16 or fp32")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
 
 
 @dataclass

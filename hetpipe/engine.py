@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from hetpipe.models import CausalLM
+from hetpipe.precision import Bf16Weights, compute_context
 from hetpipe.schedules import Action
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 class PipelineEngine:
     def __init__(self, chunks: Sequence[CausalLM], actions: Sequence[Action], channels: dict[int, Channel],
                  rank: int, pipeline_size: int, activation_shape: tuple[int, ...],
-                 activation_dtype: torch.dtype, device: torch.device, bf16: bool,
-                 recv_ahead: int = 2) -> None:
+                 activation_dtype: torch.dtype, device: torch.device, precision: str = "fp32",
+                 weights: Optional[Bf16Weights] = None, recv_ahead: int = 2) -> None:
         self.chunks = list(chunks)
         self.actions = list(actions)
         self.channels = channels
@@ -36,11 +37,16 @@ class PipelineEngine:
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype
         self.device = device
-        self.bf16 = bf16
+        # See hetpipe.precision: "bf16" needs ``weights`` (the working copies).
+        self.precision = precision
+        self.weights = weights
         self.recv_ahead = recv_ahead
 
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.pipeline_size + self.rank
+
+    def _compute(self, chunk: int):
+        return compute_context(self.precision, self.device.type, self.weights, chunk)
 
     def warm_up(self, microbatch: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Run one forward and backward of every chunk with no communication,
@@ -65,7 +71,7 @@ class PipelineEngine:
                 x = torch.zeros(self.activation_shape, dtype=self.activation_dtype, device=self.device,
                                 requires_grad=True)
             is_last = v == self.num_virtual - 1
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            with self._compute(c):
                 out = chunk(x, labels.to(self.device) if is_last else None)
             if is_last:
                 out.backward()
@@ -120,7 +126,7 @@ class PipelineEngine:
                 else:
                     x = received.pop(("fwd",) + key).requires_grad_(True)
                 is_last = v == self.num_virtual - 1
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                with self._compute(action.chunk):
                     out = self.chunks[action.chunk](
                         x, labels.to(self.device, non_blocking=True) if is_last else None)
                 inputs[key], outputs[key] = x, out

@@ -4,7 +4,8 @@ AdamW with warmup + cosine decay, metrics.
 One optimizer step consumes one global batch, split into microbatches whose
 gradients accumulate (each microbatch loss is scaled by 1/num_microbatches, so
 the step's gradient is that of the mean loss over the global batch, Megatron's
-convention). GPUs run bf16 autocast over fp32 master weights; CPUs run fp32.
+convention). GPUs run bf16 working copies of fp32 main weights (Megatron's
+bf16 mode, see hetpipe.precision); CPUs run fp32.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
+from hetpipe.precision import Bf16Weights, activation_dtype, resolve_precision
 from hetpipe.schedules import build_schedule
 from hetpipe.topology import Topology, check_group_vendor, check_transport_available, resolve_plan
 
@@ -154,7 +156,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
 
     t = cfg.train
     device = topo.device
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
+    precision = resolve_precision(t.precision, device.type)
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
@@ -162,10 +164,12 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     P = plan.pipeline_size
     chunks = _build_chunks(cfg, plan, topo)
     actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
+    # bf16: made after TP sharding (the copies are of the shards).
+    weights = Bf16Weights(chunks) if precision == "bf16" else None
     engine = PipelineEngine(chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
-                            activation_dtype=torch.float32, device=device, bf16=bf16,
-                            recv_ahead=cfg.partition.recv_ahead)
+                            activation_dtype=activation_dtype(precision), device=device, precision=precision,
+                            weights=weights, recv_ahead=cfg.partition.recv_ahead)
     if device.type == "cuda" and topo.world_size > 1 and not os.environ.get("HETPIPE_SKIP_WARMUP"):
         # Load every kernel before any receive is posted ahead (see warm_up;
         # HETPIPE_SKIP_WARMUP=1 is for reproducing the deadlock it prevents).
@@ -204,7 +208,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
         parallel = ", ".join(f"TP{tp} x DP{dp}" for tp, dp in degrees)
         print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
               f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
-              f"layers per stage {layers}, {parallel}, {plan.schedule}, {'bf16' if bf16 else 'fp32'}, "
+              f"layers per stage {layers}, {parallel}, {plan.schedule}, {precision}, "
               f"{loader.num_microbatches} microbatches/step per DP rank, {loader.tokens_per_step} tokens/step, "
               f"run dir {run_dir}", flush=True)
 
@@ -214,6 +218,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             lr = lr_at(step, cfg.optimizer, t.train_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            if weights is not None:
+                weights.refresh()  # the main weights changed (optimizer step, checkpoint load)
             loss_sum = engine.run_step(loader.next_step())
             if reducer is not None:
                 reducer.finish()  # every .grad is now the DP average

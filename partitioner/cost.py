@@ -10,11 +10,12 @@ catalog otherwise:
 
 * compute time = Megatron model FLOPs / (dense peak x efficiency); the
   backward is twice the forward, and full recomputation adds one forward;
-* memory follows what hetpipe's trainer keeps: fp32 weights used directly
-  (4 bytes/param), fp32 gradients (4), Adam m and v (8; divided by DP with a
-  distributed optimizer), plus per in-flight microbatch the saved activations
-  and, under bf16 autocast, the bf16 copies of the weights autocast made for
-  that microbatch (autograd keeps them for the backward);
+* memory follows what hetpipe's trainer keeps: fp32 main weights (4
+  bytes/param), fp32 gradients (4), Adam m and v (8; divided by DP with a
+  distributed optimizer), in bf16 mode a bf16 working copy of the weights (2),
+  plus per in-flight microbatch the saved activations and, under bf16
+  autocast, the bf16 copies of the weights autocast made for that microbatch
+  (autograd keeps them for the backward);
 * links: TP all-reduces on the intra-node fabric, stage boundaries over the
   fabric, the network (device-direct) or CPU-forwarding's two host copies plus
   TCP; DP gradient all-reduces as a ring over the slowest link of the group.
@@ -62,29 +63,39 @@ class NetworkConfig:
 
 @dataclass(frozen=True)
 class Precision:
-    """Element sizes: matmul inputs/outputs, and the residual stream.
+    """Element sizes of the trainer's precision modes (hetpipe/precision.py).
 
-    hetpipe keeps fp32 weights and an fp32 residual stream (the embedding is
-    not autocast), so stage boundaries carry fp32; bf16 autocast makes matmul
-    inputs and outputs bf16 on GPUs. CPUs run fp32 throughout.
+    ``bf16``: bf16 matmuls and a bf16 residual stream (stage boundaries carry
+    bf16), plus a persistent bf16 working copy of every fp32 main weight.
+    ``bf16-autocast``: fp32 weights and residual stream, bf16 matmul inputs
+    and outputs, and autocast's bf16 weight copies per microbatch in flight.
+    ``fp32``: CPUs.
     """
     matmul_bytes: int
     residual_bytes: int = 4
+    # Bytes per parameter of the persistent working copy (bf16 mode).
+    working_copy_bytes: int = 0
 
     @classmethod
     def for_device(cls, spec: DeviceSpec, precision: str = "auto") -> "Precision":
-        """The trainer's rule: ``auto`` is bf16 autocast on GPUs and fp32 on CPUs."""
-        bf16 = precision == "bf16" or (precision == "auto" and spec.vendor != "cpu")
-        return cls(matmul_bytes=2 if bf16 else 4)
+        """The trainer's rule: ``auto`` is bf16 on GPUs and fp32 on CPUs."""
+        from hetpipe.precision import resolve_precision
+
+        mode = resolve_precision(precision, "cpu" if spec.vendor == "cpu" else "cuda")
+        if mode == "bf16":
+            return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2)
+        return cls(matmul_bytes=2 if mode == "bf16-autocast" else 4)
 
     @property
     def name(self) -> str:
-        return "bf16" if self.matmul_bytes == 2 else "fp32"
+        if self.matmul_bytes == 4:
+            return "fp32"
+        return "bf16" if self.residual_bytes == 2 else "bf16-autocast"
 
     @property
     def autocast_copies(self) -> bool:
         """Autocast keeps a bf16 copy of each fp32 weight per microbatch in flight."""
-        return self.matmul_bytes < WEIGHT_BYTES
+        return self.name == "bf16-autocast"
 
 
 @dataclass(frozen=True)

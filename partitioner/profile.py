@@ -105,9 +105,11 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
         raise ConfigError("profiling needs repeats >= 1 and warmup >= 1")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if bf16 and device.type == "cpu":
-        raise ConfigError("bf16 profiles need a GPU (the trainer runs CPUs in fp32)")
+    from hetpipe.precision import activation_dtype, resolve_precision
+
+    mode = resolve_precision(precision, device.type)
+    if mode != "fp32" and device.type == "cpu":
+        raise ConfigError(f"{mode} profiles need a GPU (the trainer runs CPUs in fp32)")
     b, s, h, L = micro_batch_size, seq_length, model.hidden_size, model.num_layers
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -115,7 +117,7 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
         return torch.randint(0, model.vocab_size, (b, s), generator=gen).to(device)
 
     def hidden() -> torch.Tensor:
-        return torch.randn(b, s, h, generator=gen).to(device).requires_grad_(True)
+        return torch.randn(b, s, h, generator=gen).to(device, activation_dtype(mode)).requires_grad_(True)
 
     cases = {
         "embedding": ((0, 1), lambda: (tokens(),)),
@@ -125,19 +127,24 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
     units = {}
     for kind, (span, make_inputs) in cases.items():
         module = build_model(model, seed=seed, units=span, device=device)
-        units[kind] = _measure(module, make_inputs, device, bf16, repeats, warmup)
+        units[kind] = _measure(module, make_inputs, device, mode, repeats, warmup)
         del module
-    entry = {"shape": profile_shape(model, seq_length, "bf16" if bf16 else "fp32"),
+    entry = {"shape": profile_shape(model, seq_length, mode),
              "micro_batch_size": micro_batch_size, "device_name": accelerator_name(),
              "torch": torch.__version__, "repeats": repeats, "units": units}
     return accelerator_name(), entry
 
 
-def _measure(module, make_inputs, device, bf16: bool, repeats: int, warmup: int) -> dict:
+def _measure(module, make_inputs, device, mode: str, repeats: int, warmup: int) -> dict:
     import torch
 
+    from hetpipe.precision import Bf16Weights, compute_context
+
     cuda = device.type == "cuda"
+    weights = Bf16Weights([module]) if mode == "bf16" else None
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    if weights is not None:  # the working copies are weights too, not activations
+        params |= {w.untyped_storage().data_ptr() for w in weights.copies()}
 
     def sync() -> None:
         if cuda:
@@ -161,7 +168,7 @@ def _measure(module, make_inputs, device, bf16: bool, repeats: int, warmup: int)
             base = torch.cuda.memory_allocated(device)
         sync()
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), \
+        with compute_context(mode, device.type, weights, 0), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = module(*inputs)
         sync()

@@ -320,7 +320,8 @@ class _Context:
         time = _range_sums(uc.time_s)
         time[~np.triu(np.ones_like(time, dtype=bool), 1)] = INF
         params = _range_sums(uc.params)
-        static = params * cost.static_bytes_per_param(dp, self.planner.distributed_optimizer) \
+        static = params * (cost.static_bytes_per_param(dp, self.planner.distributed_optimizer)
+                           + self.precisions[g].working_copy_bytes) \
             + 2 * cost.RECV_AHEAD * uc.boundary_bytes
         gbs, lat = self.dp_link(g, tp, dp)
         sync = cost.grad_sync_s(params, dp, gbs, lat, spec, self.planner.distributed_optimizer)

@@ -11,7 +11,7 @@ def _engine(cfg, chunk):
     actions = build_schedule("1f1b", 1, 2, 1)[0]
     return PipelineEngine([chunk], actions, {}, rank=0, pipeline_size=1,
                           activation_shape=(2, 16, cfg.hidden_size), activation_dtype=torch.float32,
-                          device=torch.device("cpu"), bf16=False)
+                          device=torch.device("cpu"))
 
 
 def test_warm_up_changes_no_weight_and_no_gradient(one_thread):

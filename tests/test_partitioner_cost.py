@@ -51,7 +51,7 @@ def test_llama8b_head_weighs_about_two_layers_and_tp_divides_work():
     assert uc.activation_bytes[1] / 4 < tp4.activation_bytes[1] < uc.activation_bytes[1] * 0.75
     # Recompute keeps only the layer input and pays one more forward.
     rc = unit_costs(model, h200, StageShape(1, 1, 8192, True), Precision.for_device(h200), NetworkConfig())
-    assert rc.activation_bytes[1] == 1 * 8192 * 4096 * 4
+    assert rc.activation_bytes[1] == 1 * 8192 * 4096 * 2  # its bf16 input
     assert rc.backward_s[1] == pytest.approx(uc.backward_s[1] + uc.forward_s[1])
     assert rc.transient_bytes[1] >= uc.activation_bytes[1]
 
@@ -76,11 +76,18 @@ def test_memory_and_link_arithmetic():
 def test_precision_follows_the_trainer():
     assert Precision.for_device(CATALOG["CPU"]).name == "fp32"
     assert Precision.for_device(CATALOG["H200"]).name == "bf16"
+    assert Precision.for_device(CATALOG["H200"], "bf16-autocast").name == "bf16-autocast"
     assert Precision.for_device(CATALOG["H200"], "fp32").name == "fp32"
     model = model_preset("llama8b")
     h200 = CATALOG["H200"]
-    bf16 = unit_costs(model, h200, StageShape(1, 1, 4096, False), Precision.for_device(h200), NetworkConfig())
-    fp32 = unit_costs(model, h200, StageShape(1, 1, 4096, False), Precision(4), NetworkConfig())
+    shape = StageShape(1, 1, 4096, False)
+    bf16 = unit_costs(model, h200, shape, Precision.for_device(h200), NetworkConfig())
+    autocast = unit_costs(model, h200, shape, Precision.for_device(h200, "bf16-autocast"), NetworkConfig())
+    fp32 = unit_costs(model, h200, shape, Precision(4), NetworkConfig())
     # Autocast keeps a bf16 copy of a layer's weights per microbatch in flight.
-    assert bf16.activation_bytes[1] > 2 * bf16.params[1] > 0.4 * GIB
-    assert fp32.activation_bytes[1] > bf16.activation_bytes[1] - 2 * bf16.params[1]
+    assert autocast.activation_bytes[1] > 2 * autocast.params[1] > 0.4 * GIB
+    assert fp32.activation_bytes[1] > autocast.activation_bytes[1] - 2 * autocast.params[1]
+    # bf16 mode: no per-microbatch copies and a bf16 residual stream, so less
+    # is kept per microbatch and boundary messages are half the size.
+    assert bf16.activation_bytes[1] < autocast.activation_bytes[1] - 2 * autocast.params[1]
+    assert bf16.boundary_bytes == autocast.boundary_bytes / 2
