@@ -122,6 +122,7 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
                  f"train.micro_batch_size={args.micro_batch_size}",
                  f"train.global_batch_size={args.micro_batch_size * args.microbatches * replicas}",
                  f"train.train_iters={args.steps}", "train.log_interval=1", f"train.compile={'compile' in flags}",
+                 f"train.precision={args.precision}",
                  f"optimizer.distributed={'zero1' in flags}",
                  "optimizer.lr_warmup_iters=1", "logging.progress=false", f"data.path={args.data}",
                  f"partition.layers={layers}", f"hydra.run.dir={out}", *variant_overrides(variant, args.gpus),
@@ -161,6 +162,10 @@ def run_peer(args, compiled: bool, out: Path) -> dict:
             cmd += ["--set", item.removeprefix("model.")]
     if compiled:
         cmd.append("--compile")
+    if args.precision == "bf16":
+        # The peer's bf16 compute: bf16 parameters (it has no fp32 main copies,
+        # so it keeps 8 bytes per parameter to hetpipe's 18).
+        cmd.append("--bf16-weights")
     rc, elapsed = _run(cmd, out.with_suffix(".log"), args.timeout)
     result = {"rc": rc, "wall_s": elapsed}
     if result_path.exists():
@@ -200,7 +205,8 @@ def table(results: dict[str, dict], args) -> str:
     ref = next((r.get("tflops_per_gpu") for name, r in results.items() if name.split("+")[0] == "nccl"), None)
     peer = results.get("peer", {}).get("tflops_per_gpu")
     gpus = getattr(args, "gpus", 2)
-    lines = [f"{args.model}, {gpus} GPUs, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
+    lines = [f"{args.model}, {gpus} GPUs, {getattr(args, 'precision', 'bf16')}, seq {args.seq_length}, "
+             f"micro-batch {args.micro_batch_size}, "
              f"{args.microbatches} microbatches per DP replica, split {args.layers}, {args.steps} steps "
              f"({args.warmup} untimed)", "",
              "| variant | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1, ...) | vs nccl "
@@ -244,6 +250,8 @@ def main() -> None:
     p.add_argument("--variants", default="nccl,direct,tcp4,tcp1,gloo,peer")
     p.add_argument("--gpus", type=int, default=2, choices=[2, 4, 8],
                    help="local GPUs: 2 = PP2; 4/8 = PP2 x DP2/DP4 over two vendor groups")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast"],
+                   help="train.precision of the hetpipe runs; bf16 also gives the peer bf16 weights")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--set", action="append", default=[], help="extra hydra override for hetpipe runs")
     args = p.parse_args()
