@@ -41,8 +41,11 @@ class TrainConfig:
     log_interval: int = 10
     # Dense peak TFLOP/s for MFU; None takes the device catalog's figure.
     peak_tflops: Optional[float] = None
-    # torch.compile each decoder layer (Module.compile); not measured on GPUs yet.
+    # torch.compile each decoder layer (Module.compile).
     compile: bool = False
+    # Profile this optimizer step (1-based) on GPU ranks: each writes
+    # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
+    profile_step: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval"):
@@ -52,6 +55,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}")
+        if self.profile_step is not None and self.profile_step < 1:
+            raise ConfigError(f"train.profile_step={self.profile_step} must be a step number (1-based)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
 

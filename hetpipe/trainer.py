@@ -35,6 +35,7 @@ from hetpipe.models.flops import megatron_model_flops
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.precision import Bf16Weights, activation_dtype, resolve_precision
+from hetpipe.profiling import profile_step
 from hetpipe.schedules import build_schedule
 from hetpipe.topology import Topology, check_group_vendor, check_transport_available, resolve_plan
 
@@ -220,20 +221,21 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
                 group["lr"] = lr
             if weights is not None:
                 weights.refresh()  # the main weights changed (optimizer step, checkpoint load)
-            loss_sum = engine.run_step(loader.next_step())
-            if reducer is not None:
-                reducer.finish()  # every .grad is now the DP average
-            if topo.tp_size > 1:
-                for chunk in chunks:
-                    finalize_tensor_parallel_grads(chunk)
-            sync_tied_embedding_grads(chunks, topo.embedding_group)
-            grad_norm, total_loss = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum,
-                                                 extra_contributes=counts_loss)
-            optimizer.step()
-            if reducer is not None:
-                reducer.zero_grad()
-            else:
-                optimizer.zero_grad(set_to_none=True)
+            with profile_step(t.profile_step == step + 1, run_dir, topo.rank, step + 1):
+                loss_sum = engine.run_step(loader.next_step())
+                if reducer is not None:
+                    reducer.finish()  # every .grad is now the DP average
+                if topo.tp_size > 1:
+                    for chunk in chunks:
+                        finalize_tensor_parallel_grads(chunk)
+                sync_tied_embedding_grads(chunks, topo.embedding_group)
+                grad_norm, total_loss = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum,
+                                                     extra_contributes=counts_loss)
+                optimizer.step()
+                if reducer is not None:
+                    reducer.zero_grad()
+                else:
+                    optimizer.zero_grad(set_to_none=True)
             mean_loss = total_loss / global_microbatches
             losses.append(mean_loss)
             if logger is not None:

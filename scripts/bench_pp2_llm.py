@@ -121,7 +121,9 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
     overrides = [f"+model={args.model}", f"train.seq_length={args.seq_length}",
                  f"train.micro_batch_size={args.micro_batch_size}",
                  f"train.global_batch_size={args.micro_batch_size * args.microbatches * replicas}",
-                 f"train.train_iters={args.steps}", "train.log_interval=1", f"train.compile={'compile' in flags}",
+                 f"train.train_iters={args.steps + (1 if args.profile else 0)}", "train.log_interval=1",
+                 f"train.compile={'compile' in flags}",
+                 *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
                  f"train.precision={args.precision}",
                  f"optimizer.distributed={'zero1' in flags}",
                  "optimizer.lr_warmup_iters=1", "logging.progress=false", f"data.path={args.data}",
@@ -133,7 +135,7 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        timed = [r for r in rows if r["step"] > args.warmup]
+        timed = [r for r in rows if args.warmup < r["step"] <= args.steps]  # not the profiled step
         result.update(losses=[r["loss"] for r in rows], steps_timed=len(timed),
                       tflops_per_gpu=mean([r["tflops_per_device"] for r in timed]),
                       tokens_per_s=mean([r["tokens_per_s"] for r in timed]),
@@ -142,6 +144,8 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
         result["predicted_step_s"], why = predicted_step_s(out)
         if why:
             result["predicted_note"] = why
+    # The first lines of each rank's profile: busy time and time by kernel class.
+    result["profile"] = [path.read_text().split("\ntop kernels:")[0] for path in sorted(out.glob("profile_rank*.txt"))]
     mem = []
     for path in sorted(out.glob("memory_rank*.json")):
         mem.append(json.loads(path.read_text())["peak_allocated_gib"])
@@ -252,6 +256,9 @@ def main() -> None:
                    help="local GPUs: 2 = PP2; 4/8 = PP2 x DP2/DP4 over two vendor groups")
     p.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast"],
                    help="train.precision of the hetpipe runs; bf16 also gives the peer bf16 weights")
+    p.add_argument("--profile", action="store_true",
+                   help="hetpipe runs profile one extra, untimed step (train.profile_step); "
+                        "the reports go into results.json and each run dir")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--set", action="append", default=[], help="extra hydra override for hetpipe runs")
     args = p.parse_args()
@@ -278,6 +285,9 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = table(results, args)
     (out / "results.md").write_text(text + "\n")
+    for name, r in results.items():
+        for report in r.get("profile") or []:
+            print(f"-- {name}: {report}")
     print(text)
 
 
