@@ -41,6 +41,10 @@ class TrainConfig:
     log_interval: int = 10
     # Dense peak TFLOP/s for MFU; None takes the device catalog's figure.
     peak_tflops: Optional[float] = None
+    # bf16: the decoder layers' weight-gradient GEMMs accumulate straight into
+    # the fp32 gradients (Megatron's --gradient-accumulation-fusion); off
+    # under train.compile.
+    grad_accumulation_fusion: bool = True
     # torch.compile each decoder layer (Module.compile).
     compile: bool = False
     # Profile this optimizer step (1-based) on GPU ranks: each writes

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import secrets
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -291,8 +292,11 @@ class Topology:
                         self.dp_group = group
         # One communicator per direction of every same-vendor rank pair at a
         # stage boundary (see comm/p2p.py for why NCCL needs this).
+        # NCCL boundary waits do not block the host (comm/p2p.py), so the
+        # group's own timeout (NCCL's watchdog) is what enforces the deadline.
+        deadline = timedelta(seconds=self.cluster.transport.deadline_s)
         for src, dst in self._same_vendor_directions():
-            group = self._new_group([src, dst], self.cluster.group_of(src)[1])
+            group = self._new_group([src, dst], self.cluster.group_of(src)[1], timeout=deadline)
             if self.rank in (src, dst):
                 self.p2p_groups[(src, dst)] = group
         last = (len(self.plan.stages) - 1) % self.pipeline_size
@@ -303,14 +307,17 @@ class Topology:
                 if self.rank in (a, b):
                     self.embedding_group = group
 
-    def _new_group(self, ranks: list[int], group: GroupConfig) -> dist.ProcessGroup:
+    def _new_group(self, ranks: list[int], group: GroupConfig,
+                   timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
         """A gloo group for CPU ranks; an NCCL (RCCL on ROCm) group for GPU ranks,
         initialised eagerly so that communicator set-up happens here, with every
         member present, rather than inside the first training step."""
-        if group.on_cpu:
+        if group.on_cpu:  # gloo waits block the host and carry the channel's deadline themselves
             return dist.new_group(ranks, backend="gloo")
-        eager = {"device_id": self.device} if self.rank in ranks else {}
-        return dist.new_group(ranks, backend="nccl", **eager)
+        extra = {"timeout": timeout} if timeout is not None else {}
+        if self.rank in ranks:
+            extra["device_id"] = self.device
+        return dist.new_group(ranks, backend="nccl", **extra)
 
     def _same_vendor_directions(self) -> list[tuple[int, int]]:
         """Ordered (sender, receiver) rank pairs of all same-vendor boundaries."""

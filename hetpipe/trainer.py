@@ -166,7 +166,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     chunks = _build_chunks(cfg, plan, topo)
     actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
     # bf16: made after TP sharding (the copies are of the shards).
-    weights = Bf16Weights(chunks) if precision == "bf16" else None
+    weights = (Bf16Weights(chunks, fuse_linear_grads=t.grad_accumulation_fusion and not t.compile)
+               if precision == "bf16" else None)
     engine = PipelineEngine(chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
                             activation_dtype=activation_dtype(precision), device=device, precision=precision,

@@ -141,7 +141,7 @@ def _measure(module, make_inputs, device, mode: str, repeats: int, warmup: int) 
     from hetpipe.precision import Bf16Weights, compute_context
 
     cuda = device.type == "cuda"
-    weights = Bf16Weights([module]) if mode == "bf16" else None
+    weights = Bf16Weights([module], fuse_linear_grads=True) if mode == "bf16" else None
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     if weights is not None:  # the working copies are weights too, not activations
         params |= {w.untyped_storage().data_ptr() for w in weights.copies()}

@@ -74,6 +74,28 @@ def test_forward_runs_on_bf16_copies_and_grads_accumulate_in_fp32(one_thread):
         assert torch.equal(w, p.detach().to(torch.bfloat16))
 
 
+def test_fused_weight_gradients_land_in_fp32_grads_and_fire_hooks(one_thread):
+    fused, plain = build_model(CFG, seed=1), build_model(CFG, seed=1)
+    fused_w, plain_w = Bf16Weights([fused], fuse_linear_grads=True), Bf16Weights([plain])
+    linear = fused.layers["0"].mlp.down.weight
+    calls = []
+    linear.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    for tokens, labels in _batch(2):
+        for model, weights in ((fused, fused_w), (plain, plain_w)):
+            with weights.swap(0):
+                loss = model(tokens, labels)
+            loss.backward()
+    # The hook ran once per microbatch, after that microbatch's accumulation.
+    assert len(calls) == 3 and torch.equal(calls[-1], linear.grad)
+    assert not torch.equal(calls[0], calls[1])
+    # Outside swap() the linear layers are plain nn.Linear again.
+    assert "forward" not in vars(fused.layers["0"].mlp.down)
+    for (n, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters()):
+        assert a.grad.dtype == torch.float32
+        # fp32 accumulation versus bf16-rounded per-microbatch gradients.
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=1e-4, msg=n)
+
+
 STEPS = 12
 COMMON = ["+model=tiny_llama", "model.hidden_size=64", "model.ffn_hidden_size=160", "model.num_layers=4",
           "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=6",
@@ -110,6 +132,12 @@ def test_bf16_pipeline_across_vendors_equals_single_process_resumes_and_tracks_f
     from safetensors.torch import load_file
     shards = list((ckpt / f"iter_{STEPS // 2:07d}").glob("model-*.safetensors"))
     assert shards and all(t.dtype == torch.float32 for s in shards for t in load_file(s).values())
+
+    # Data parallel with ZeRO-1: the fused gradients reach the DP reducer's hooks.
+    dp, _ = _train(tmp_path, "dp", shakespeare_prefix, "train.precision=bf16", f"train.train_iters={STEPS}",
+                   "cluster=cpu_homogeneous", "partition.dp=2", "optimizer.distributed=true")
+    for step, (loss, _) in single.items():
+        assert dp[step][0] == pytest.approx(loss, rel=2e-3), step
 
     fp32, _ = _train(tmp_path, "fp32", shakespeare_prefix, "train.precision=fp32", f"train.train_iters={STEPS}")
     assert fp32 != single  # bf16 really changed the arithmetic
