@@ -23,8 +23,8 @@ single FIFO stream of messages whose order the schedules guarantee to match.
 Waiting on an NCCL/RCCL transfer is stream-ordered: the waiting rank's
 current stream waits for it and the host does not, so the host keeps queueing
 kernels ahead of the GPU (a Work waited on with a timeout blocks the host
-until the bytes arrive, which cost the NCCL boundary about 10 % of a LLaMA-8B
-step on 2xH200). A hung NCCL boundary is therefore ended by NCCL's watchdog at
+until the bytes arrive, draining the GPU's queue at every boundary receive).
+A hung NCCL boundary is therefore ended by NCCL's watchdog at
 the direction group's timeout, which the topology sets to
 ``cluster.transport.deadline_s``; its error names the operation and the group
 rather than the stage. gloo waits block the host and raise the channel's own

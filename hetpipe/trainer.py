@@ -150,6 +150,13 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
     return chunks
 
 
+def _recv_ahead(cfg: PretrainConfig, topo: Topology) -> int:
+    """partition.recv_ahead, or its automatic value (see PartitionConfig)."""
+    if cfg.partition.recv_ahead is not None:
+        return cfg.partition.recv_ahead
+    return 1 if topo.device.type == "cuda" and topo.p2p_groups else 2
+
+
 def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) -> list[float]:
     from hetpipe.parallel.checkpoint import gather_for_save, shard_fn
     from hetpipe.parallel.data import GradReducer
@@ -171,7 +178,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     engine = PipelineEngine(chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
                             activation_dtype=activation_dtype(precision), device=device, precision=precision,
-                            weights=weights, recv_ahead=cfg.partition.recv_ahead)
+                            weights=weights, recv_ahead=_recv_ahead(cfg, topo))
     if device.type == "cuda" and topo.world_size > 1 and not os.environ.get("HETPIPE_SKIP_WARMUP"):
         # Load every kernel before any receive is posted ahead (see warm_up;
         # HETPIPE_SKIP_WARMUP=1 is for reproducing the deadlock it prevents).

@@ -14,7 +14,8 @@ variant, each through the user's entry point (``python -m hetpipe.pretrain``):
            (scripts/bench_pipelining_peer.py)
   tp2      one stage, TP=2 over both GPUs in one NVIDIA group; on 4/8 GPUs TP2
            inside the first vendor group only (its stage TP2, the other group's TP1)
-  nccl_ra1 nccl with each receive posted only when needed (partition.recv_ahead=1)
+  nccl_ra2 nccl with two receives posted ahead of use (partition.recv_ahead=2;
+           the automatic value on NCCL boundaries is 1)
 
 ``--gpus 4`` / ``--gpus 8`` run the paper's shape: two vendor groups of 2 (4)
 GPUs, each one pipeline stage replicated DP2 (DP4), configs gpu4_*/gpu8_*;
@@ -44,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra1")
+VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 
 
 def variant_overrides(base: str, gpus: int) -> list[str]:
@@ -59,8 +60,8 @@ def variant_overrides(base: str, gpus: int) -> list[str]:
     homogeneous, mixed = f"cluster=gpu{gpus}_homogeneous", f"cluster=gpu{gpus}_mixed"
     if base == "nccl":
         return [homogeneous, *dp]
-    if base == "nccl_ra1":  # without receives posted ahead of use (Megatron's way)
-        return [homogeneous, "partition.recv_ahead=1", *dp]
+    if base == "nccl_ra2":  # receives posted two ahead, as hetpipe's own channels do
+        return [homogeneous, "partition.recv_ahead=2", *dp]
     if base == "direct":
         return [mixed, "cluster.transport.kind=direct", *dp]
     if base in ("tcp4", "tcp1"):

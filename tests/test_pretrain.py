@@ -140,3 +140,21 @@ def test_multirun_sweeps_partition_plans(tmp_path, shakespeare_prefix):
     assert len(plans) == 2 and plans[0] != plans[1]
     assert all(len((p.parent / "metrics.jsonl").read_text().splitlines()) == 2
                for p in tmp_path.glob("*/plan.yaml"))
+
+
+def test_receives_posted_ahead_default_to_one_on_nccl_boundaries_only():
+    from types import SimpleNamespace
+
+    import torch
+
+    from hetpipe.trainer import _recv_ahead
+
+    cfg = resolve({"model": {"name": "m"}})
+    gpu_nccl = SimpleNamespace(device=torch.device("cuda", 0), p2p_groups={(0, 1): object()})
+    gpu_cross_vendor = SimpleNamespace(device=torch.device("cuda", 0), p2p_groups={})
+    cpu = SimpleNamespace(device=torch.device("cpu"), p2p_groups={(0, 1): object()})
+    assert [_recv_ahead(cfg, t) for t in (gpu_nccl, gpu_cross_vendor, cpu)] == [1, 2, 2]
+    cfg = resolve({"model": {"name": "m"}, "partition": {"recv_ahead": 3}})
+    assert _recv_ahead(cfg, gpu_nccl) == 3
+    with pytest.raises(ConfigError, match="partition.recv_ahead=0"):
+        resolve({"model": {"name": "m"}, "partition": {"recv_ahead": 0}})
