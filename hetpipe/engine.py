@@ -37,7 +37,9 @@ class PipelineEngine:
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype
         self.device = device
-        # See hetpipe.precision: "bf16" needs ``weights`` (the working copies).
+        # See hetpipe.precision: "bf16" runs on ``weights`` (the working copies).
+        if precision == "bf16" and weights is None:
+            raise ValueError("precision 'bf16' needs the chunks' Bf16Weights")
         self.precision = precision
         self.weights = weights
         self.recv_ahead = recv_ahead

@@ -37,7 +37,7 @@ Gradient-accumulation fusion (``train.grad_accumulation_fusion``, on by
 default; Megatron-LM's ``--gradient-accumulation-fusion``): routed through the
 cast, a weight gradient is produced in bf16, cast to fp32 in a kernel of its
 own and added to ``.grad`` by another, for every parameter in every
-microbatch - measured on 2xH200 at 12 % of a LLaMA-8B step. With fusion the
+microbatch: 12 % of a LLaMA-8B stage's kernel time in a 2xH200 profile. With fusion the
 decoder layers' linear layers run through :class:`_LinearMainGrad`, whose
 backward has the weight-gradient GEMM accumulate straight into the fp32
 ``.grad`` (``torch.addmm(..., out_dtype=float32)`` on CUDA, bf16 inputs with an
