@@ -171,18 +171,19 @@ class Bf16Weights:
     def __init__(self, chunks: Sequence[nn.Module], fuse_linear_grads: bool = False) -> None:
         self._copies: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self._slots: list[list[tuple[nn.Module, str, torch.Tensor]]] = []
-        # Per chunk: (linear module, its fp32 weight) whose forward is replaced
-        # inside swap() by the fused one.
-        self._fused: list[list[tuple[nn.Linear, nn.Parameter]]] = []
+        # Per chunk: (linear module, the fused forward that replaces its own
+        # inside swap()), made once rather than per microbatch.
+        self._fused: list[list[tuple[nn.Linear, Callable[[torch.Tensor], torch.Tensor]]]] = []
         with torch.enable_grad():
             for chunk in chunks:
                 fused = []
                 if fuse_linear_grads and hasattr(chunk, "layers"):
                     # Decoder layers only: the head's nn.Linear holds a weight
                     # that the fused loss reads directly, never calling forward.
-                    fused = [(m, m.weight) for layer in chunk.layers.values() for m in layer.modules()
+                    fused = [(m, functools.partial(_fused_linear_forward, m, m.weight))
+                             for layer in chunk.layers.values() for m in layer.modules()
                              if isinstance(m, nn.Linear) and m.weight.requires_grad]
-                fused_ids = {id(p) for _, p in fused}
+                fused_ids = {id(m.weight) for m, _ in fused}
                 slots = []
                 for module in chunk.modules():
                     for name, p in module._parameters.items():
@@ -221,8 +222,8 @@ class Bf16Weights:
             for module, name, w in self._slots[chunk]:
                 saved.append((module, name, module._parameters[name]))
                 module._parameters[name] = w  # bypasses __setattr__'s Parameter check on purpose
-            for module, main in self._fused[chunk]:
-                module.forward = functools.partial(_fused_linear_forward, module, main)
+            for module, forward in self._fused[chunk]:
+                module.forward = forward
                 patched.append(module)
             yield
         finally:

@@ -22,8 +22,11 @@ GPUs, each one pipeline stage replicated DP2 (DP4), configs gpu4_*/gpu8_*;
 --microbatches stays per DP replica so the per-GPU batch equals the 2-GPU run.
 
 A ``+compile`` suffix (``nccl+compile``, ``peer+compile``) compiles the decoder
-layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true). The first ``--warmup`` steps are not timed (they include kernel
-loading and compilation). Prints a table with TFLOP/s per GPU (Megatron's
+layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true).
+``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
+peer then gets bf16 weights). The first ``--warmup`` steps are not timed (they
+include kernel loading and compilation); ``--profile`` adds one more, untimed,
+profiled step (train.profile_step) to every hetpipe run. Prints a table with TFLOP/s per GPU (Megatron's
 formula), tokens/s, MFU, peak memory per GPU, each variant's ratio to nccl
 (and nccl's to the peer), and the measured step time beside the cost model's
 prediction for the same plan; writes ``results.json`` and ``results.md`` to --out.

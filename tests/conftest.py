@@ -1,6 +1,7 @@
 """Shared test helpers: repo paths, the shared corpus, running the CLIs."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,15 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240) -> s
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=env, text=True,
                           capture_output=True, timeout=timeout)
+
+
+def run_pretrain(run_dir: Path, args: list[str], timeout: float = 240) -> tuple[subprocess.CompletedProcess, list]:
+    """``python -m hetpipe.pretrain <args>`` into ``run_dir``; must succeed.
+    Returns the process and the rows of its metrics.jsonl."""
+    proc = run_cli(["-m", "hetpipe.pretrain", *args, f"hydra.run.dir={run_dir}"], timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return proc, rows
 
 
 @pytest.fixture(scope="module")

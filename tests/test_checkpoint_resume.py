@@ -1,10 +1,9 @@
 """Checkpoints through the user's entry point: resume, reshard to another plan,
 export to transformers, and plans chosen by the planner."""
-import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_pretrain
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,11 +15,7 @@ COMMON = ["+model=tiny_llama", "model.hidden_size=64", "model.ffn_hidden_size=16
 
 
 def _losses(tmp_path, name, data, *overrides):
-    run_dir = tmp_path / name
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={data}", f"hydra.run.dir={run_dir}",
-                    *overrides])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    proc, rows = run_pretrain(tmp_path / name, [*COMMON, f"data.path={data}", *overrides])
     return {r["step"]: r["loss"] for r in rows}, proc.stdout
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from conftest import run_cli
+from conftest import run_cli, run_pretrain
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -24,11 +24,7 @@ MIXED_2X2 = ["cluster=cpu_mixed", "cluster.groups.0.ranks_per_node=2", "cluster.
 
 
 def _train(run_dir, data, *overrides):
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={data}", f"hydra.run.dir={run_dir}",
-                    *overrides], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return proc, rows
+    return run_pretrain(run_dir, [*COMMON, f"data.path={data}", *overrides], timeout=300)
 
 
 def _close(got, ref, rel):

@@ -5,11 +5,10 @@ and PyTorch's elastic launcher. The reference is the single-process run of the
 same model, data order and microbatches: losses and gradient norms must be
 bitwise identical (fp32) whatever the split, schedule or boundary transport.
 """
-import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_pretrain
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,11 +20,7 @@ COMMON = ["+model=tiny_llama", "model.hidden_size=64", "model.ffn_hidden_size=16
 
 
 def _train(tmp_path, name, data, *overrides):
-    run_dir = tmp_path / name
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={data}", f"hydra.run.dir={run_dir}",
-                    *overrides])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _, rows = run_pretrain(tmp_path / name, [*COMMON, f"data.path={data}", *overrides])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return [(r["loss"], r["grad_norm"]) for r in rows]
 

@@ -6,12 +6,11 @@ runs in bf16 (activations crossing a stage boundary are bf16); a pipelined
 bf16 run equals the single-process bf16 run bit for bit; and bf16 training
 follows the fp32 loss curve closely.
 """
-import json
 
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models.config import ModelConfig
@@ -104,11 +103,7 @@ COMMON = ["+model=tiny_llama", "model.hidden_size=64", "model.ffn_hidden_size=16
 
 
 def _train(tmp_path, name, data, *overrides):
-    run_dir = tmp_path / name
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={data}", f"hydra.run.dir={run_dir}",
-                    *overrides])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    proc, rows = run_pretrain(tmp_path / name, [*COMMON, f"data.path={data}", *overrides])
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows}, proc.stdout
 
 
