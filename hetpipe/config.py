@@ -47,6 +47,11 @@ class TrainConfig:
     grad_accumulation_fusion: bool = True
     # torch.compile each decoder layer (Module.compile).
     compile: bool = False
+    # Compile only the decoder layer's elementwise work (RMSNorm, residual add
+    # + norm, RoPE, SwiGLU) into fused kernels; GEMMs and attention stay eager.
+    # None (auto): on for CUDA ranks with Triton, unless train.compile is on.
+    # See hetpipe/models/layers.py.
+    fuse_elementwise: Optional[bool] = None
     # Profile this optimizer step (1-based) on GPU ranks: each writes
     # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
     profile_step: Optional[int] = None

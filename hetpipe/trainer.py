@@ -32,6 +32,7 @@ from hetpipe.launch import launch, rank_env, under_torchrun
 from hetpipe.metrics import MetricsLogger
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
+from hetpipe.models.layers import fuse_elementwise, fuses_elementwise
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.precision import Bf16Weights, activation_dtype, resolve_precision
@@ -143,6 +144,8 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
         if topo.tp_size > 1:
             parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
                                sequence_parallel=cfg.partition.sequence_parallel)
+        if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
+            fuse_elementwise(chunk)
         if cfg.train.compile:
             for layer in chunk.layers.values():
                 layer.compile()
@@ -171,6 +174,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
     chunks = _build_chunks(cfg, plan, topo)
+    fused = any(getattr(m, "fused", False) for chunk in chunks for m in chunk.modules())
     actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
     # bf16: made after TP sharding (the copies are of the shards).
     weights = (Bf16Weights(chunks, fuse_linear_grads=t.grad_accumulation_fusion and not t.compile)
@@ -217,7 +221,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
         parallel = ", ".join(f"TP{tp} x DP{dp}" for tp, dp in degrees)
         print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
               f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
-              f"layers per stage {layers}, {parallel}, {plan.schedule}, {precision}, "
+              f"layers per stage {layers}, {parallel}, {plan.schedule}, {precision}"
+              f"{' (compiled layers)' if t.compile else ' (fused elementwise)' if fused else ''}, "
               f"{loader.num_microbatches} microbatches/step per DP rank, {loader.tokens_per_step} tokens/step, "
               f"run dir {run_dir}", flush=True)
 

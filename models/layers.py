@@ -5,29 +5,74 @@ fp32, RoPE with the rotate-half layout, the same inverse-frequency formula) so
 that converted checkpoints give the same logits to ~1e-6 in fp32. The q/k/v and
 gate/up projections are fused into one matrix each: one GEMM instead of three
 (or two) on the hot path; the HF converter splits them.
+
+Fused elementwise work (``train.fuse_elementwise``; :func:`fuse_elementwise`).
+Run eagerly, the memory-bound work around the GEMMs (RMSNorm in fp32, RoPE,
+SwiGLU's gate, the residual adds and the copies between layouts) is some 60
+small kernels per layer and microbatch, each reading and writing whole
+activations: 20-27 % of a LLaMA-3-8B stage's wall time on an H200 (profile in
+docs/benchmarks.md). With fusion on, each of the four pure functions below
+(:func:`rms_norm`, :func:`add_rms_norm`, :func:`rope_qkv`, :func:`swiglu`) is
+compiled by ``torch.compile`` (Triton on GPUs) into one forward and one
+backward kernel, the idea of Megatron-LM's fused RMSNorm, RoPE and
+bias-SwiGLU kernels. The GEMMs (with gradient-accumulation fusion), SDPA and
+everything else stay eager, so nothing but these functions is traced. The
+compiled functions compute the same formulas; in bf16 they may round
+intermediates differently from eager (within bf16 resolution).
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetpipe.errors import ConfigError
 from hetpipe.models.config import ModelConfig
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: normalise in fp32, scale in x's dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (x + delta, rms_norm(x + delta))."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, with gate and up the two halves of the fused projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` under torch.compile: one per function and process, shared by all
+    layers (static shapes; a new shape compiles once more)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
 class RMSNorm(nn.Module):
+    # Set per instance by fuse_elementwise().
+    fused = False
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (_compiled(rms_norm) if self.fused else rms_norm)(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, base: float) -> torch.Tensor:
@@ -54,8 +99,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, groups: int,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused projection's output [b, s, (heads + 2 groups) * head_dim]
+    into q, k, v [b, s, heads or groups, head_dim], rotating q and k.
+
+    Fused, this is one kernel each way: it reads qkv once and writes q, k and v
+    contiguous (backward: one gradient for qkv, no concatenation).
+    """
+    batch, seq, _ = qkv.shape
+    q, k, v = qkv.split((heads * head_dim, groups * head_dim, groups * head_dim), dim=-1)
+    q = q.view(batch, seq, heads, head_dim)
+    k = k.view(batch, seq, groups, head_dim)
+    v = v.view(batch, seq, groups, head_dim)
+    cos, sin = cos.to(qkv.dtype)[:, None, :], sin.to(qkv.dtype)[:, None, :]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention through scaled_dot_product_attention."""
+
+    fused = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -70,6 +134,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
+        if self.fused:
+            # [b, s, h, d] views transposed to [b, h, s, d]: the layout SDPA's
+            # kernels take without a copy.
+            q, k, v = _compiled(rope_qkv)(self.qkv(x), cos, sin, self.num_heads, self.num_groups, self.head_dim)
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=self.num_groups != self.num_heads)
+            return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
@@ -85,18 +157,21 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    fused = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=False)
         self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down((_compiled(swiglu) if self.fused else swiglu)(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    fused = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -106,8 +181,14 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), cos, sin)
-        return x + self.mlp(self.post_attention_norm(x))
+        attended = self.attention(self.input_norm(x), cos, sin)
+        if self.fused:
+            norm = self.post_attention_norm
+            x, h = _compiled(add_rms_norm)(x, attended, norm.weight, norm.eps)
+        else:
+            x = x + attended
+            h = self.post_attention_norm(x)
+        return x + self.mlp(h)
 
     @torch.no_grad()
     def init_weights(self, cfg: ModelConfig, generator: torch.Generator) -> None:
@@ -122,3 +203,36 @@ class DecoderLayer(nn.Module):
                 linear.bias.zero_()
         self.input_norm.weight.fill_(1.0)
         self.post_attention_norm.weight.fill_(1.0)
+
+
+def fuse_elementwise(model: nn.Module, enabled: bool = True) -> None:
+    """Switch the fused elementwise path (see the module docstring) on or off for
+    every decoder layer and norm in ``model``."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, SwiGLU, DecoderLayer)):
+            module.fused = enabled
+
+
+def fuses_elementwise(setting: Optional[bool], device_type: str, compiled: bool,
+                      local: bool = True) -> bool:
+    """Whether ranks on ``device_type`` run the fused path for
+    ``train.fuse_elementwise=setting`` (None: automatic) and ``train.compile=compiled``.
+
+    Automatic: on for GPUs, off for CPUs (the CPU backend compiles C++, slow to
+    build for the speed it brings) and under ``train.compile`` (whole layers are
+    compiled anyway). ``local``: the GPU is this process's, so Triton's absence
+    turns the automatic choice off and an explicit ``true`` into an error; the
+    planner, reasoning about a cluster's devices, passes False and assumes it.
+    """
+    if setting is None:
+        return device_type != "cpu" and not compiled and (not local or _has_triton())
+    if setting and local and device_type != "cpu" and not _has_triton():
+        raise ConfigError("train.fuse_elementwise=true compiles kernels with Triton, which this "
+                          "machine's torch cannot use; set train.fuse_elementwise=false")
+    return setting
+
+
+def _has_triton() -> bool:
+    from torch.utils._triton import has_triton
+
+    return has_triton()

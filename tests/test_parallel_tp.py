@@ -40,6 +40,8 @@ CHUNKS = {
     "qwen2_kv_replicated/middle": ("qwen2_kv_replicated", (1, 3)),
 }
 SP_CHUNKS = list(CHUNKS)
+# Also run with train.fuse_elementwise's compiled kernels in the TP shards.
+FUSED_CHUNKS = ["llama_gqa/whole", "qwen2_kv_replicated/middle"]
 BATCH, SEQ = 2, 16
 
 
@@ -91,25 +93,30 @@ def _step(chunk, cfg, units, finalize):
 def job_grads(rank: int) -> dict:
     from hetpipe.parallel.tensor import finalize_tensor_parallel_grads, full_tensor, parallelize_tensor
 
+    from hetpipe.models.layers import fuse_elementwise
+
     out = {}
-    for sp in (False, True):
-        for case in (SP_CHUNKS if sp else CHUNKS):
-            cfg_name, units = CHUNKS[case]
-            cfg = config(cfg_name)
-            ref = build_model(cfg, seed=5, units=units)
-            tp = parallelize_tensor(build_model(cfg, seed=5, units=units), None, TP, rank, sequence_parallel=sp)
-            r_out, r_in, r_logits = _step(ref, cfg, units, lambda c: None)
-            t_out, t_in, t_logits = _step(tp, cfg, units, finalize_tensor_parallel_grads)
-            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-            grads = {n: rel(full_tensor(tp, n, p.grad), ref_grads[n]) for n, p in tp.named_parameters()}
-            out[(case, sp)] = {
-                "output": rel(t_out, r_out),
-                "input_grad": None if r_in is None else rel(t_in, r_in),
-                "logits": None if r_logits is None else rel(t_logits, r_logits),
-                "grads": grads,
-                "names_match": sorted(grads) == sorted(ref_grads),
-                "sharded": sorted(n for n, p in tp.named_parameters() if p.tp_shard_dim is not None),
-            }
+    runs = [(case, sp, False) for sp in (False, True) for case in (SP_CHUNKS if sp else CHUNKS)]
+    runs += [(case, sp, True) for sp in (False, True) for case in FUSED_CHUNKS]
+    for case, sp, fused in runs:
+        cfg_name, units = CHUNKS[case]
+        cfg = config(cfg_name)
+        ref = build_model(cfg, seed=5, units=units)
+        tp = parallelize_tensor(build_model(cfg, seed=5, units=units), None, TP, rank, sequence_parallel=sp)
+        if fused:  # the TP shards with fused elementwise kernels, against the eager reference
+            fuse_elementwise(tp)
+        r_out, r_in, r_logits = _step(ref, cfg, units, lambda c: None)
+        t_out, t_in, t_logits = _step(tp, cfg, units, finalize_tensor_parallel_grads)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        grads = {n: rel(full_tensor(tp, n, p.grad), ref_grads[n]) for n, p in tp.named_parameters()}
+        out[(case + ("+fused" if fused else ""), sp)] = {
+            "output": rel(t_out, r_out),
+            "input_grad": None if r_in is None else rel(t_in, r_in),
+            "logits": None if r_logits is None else rel(t_logits, r_logits),
+            "grads": grads,
+            "names_match": sorted(grads) == sorted(ref_grads),
+            "sharded": sorted(n for n, p in tp.named_parameters() if p.tp_shard_dim is not None),
+        }
     # With SP the sequence must split evenly; refused before any collective.
     cfg = config("llama_gqa")
     tp = parallelize_tensor(build_model(cfg, seed=5), None, TP, rank, sequence_parallel=True)
@@ -217,11 +224,11 @@ def results(tmp_path_factory) -> dict:
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("case", list(CHUNKS))
+@pytest.mark.parametrize("case", list(CHUNKS) + [c + "+fused" for c in FUSED_CHUNKS])
 def test_loss_and_every_gradient_match_single_process(results, case, sp):
-    if sp and case not in SP_CHUNKS:
+    if sp and case.removesuffix("+fused") not in SP_CHUNKS:
         pytest.skip("not run with sequence parallelism")
-    tol = 1e-5 if sp else 1e-6
+    tol = 1e-5 if sp or case.endswith("+fused") else 1e-6
     for rank in range(TP):
         r = results[rank]["grads"][(case, sp)]
         assert r["names_match"]

@@ -1,0 +1,92 @@
+"""Fused elementwise kernels (train.fuse_elementwise; models/layers.py) on CPU:
+the compiled path computes what the eager one does, keeps the activations the
+cost model says, is chosen by the documented rule, and trains pipelined with
+the same bitwise parity as the eager path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_pretrain
+from hetpipe.errors import ConfigError
+from hetpipe.models import build_model
+from hetpipe.models import layers as layers_mod
+from hetpipe.models.config import model_preset
+from hetpipe.models.layers import Attention, DecoderLayer, RMSNorm, SwiGLU, fuse_elementwise, fuses_elementwise
+from hetpipe.partitioner.catalog import CATALOG
+from hetpipe.partitioner.cost import Precision, layer_activation_bytes
+from hetpipe.partitioner.profile import measure_units
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
+def test_fused_model_matches_eager_loss_and_gradients(name, one_thread):
+    cfg = model_preset(name)
+    eager, fused = build_model(cfg, seed=3), build_model(cfg, seed=3)
+    fuse_elementwise(fused)
+    switched = [m for m in fused.modules() if isinstance(m, (RMSNorm, Attention, SwiGLU, DecoderLayer))]
+    assert switched and all(m.fused for m in switched)
+    assert not any(getattr(m, "fused", False) for m in eager.modules())
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
+    for model in (eager, fused):
+        model(tokens, labels).backward()
+    torch.testing.assert_close(fused(tokens, labels), eager(tokens, labels), rtol=1e-5, atol=1e-6)
+    for (n, a), (_, b) in zip(fused.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=n)
+    fuse_elementwise(fused, False)
+    assert not any(m.fused for m in switched)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cost_model_counts_the_activations_a_layer_keeps(fused, one_thread):
+    """The profiler counts every tensor autograd saves; the cost model's formula
+    (eager or fused) must agree within the RoPE tables all layers share."""
+    cfg = model_preset("tiny_llama")
+    _, entry = measure_units(cfg, 128, 2, "fp32", repeats=1, warmup=1, fuse_elementwise=fused)
+    measured = entry["units"]["layer"]["activation_bytes"]
+    predicted = layer_activation_bytes(cfg, 2, 128, 1, Precision(4, fused_elementwise=fused))
+    assert entry["shape"]["fused_elementwise"] is fused
+    assert predicted <= measured <= predicted * 1.03
+    if fused:  # and fusion keeps markedly less
+        assert predicted < 0.75 * layer_activation_bytes(cfg, 2, 128, 1, Precision(4))
+
+
+def test_when_layers_fuse(monkeypatch):
+    monkeypatch.setattr(layers_mod, "_has_triton", lambda: True)
+    assert fuses_elementwise(None, "cuda", compiled=False)
+    assert not fuses_elementwise(None, "cuda", compiled=True)  # whole layers are compiled instead
+    assert not fuses_elementwise(None, "cpu", compiled=False)
+    assert fuses_elementwise(True, "cpu", compiled=False) and not fuses_elementwise(False, "cuda", False)
+    monkeypatch.setattr(layers_mod, "_has_triton", lambda: False)
+    assert not fuses_elementwise(None, "cuda", compiled=False)
+    with pytest.raises(ConfigError, match="train.fuse_elementwise=true .*Triton"):
+        fuses_elementwise(True, "cuda", compiled=False)
+    # The planner reasons about a cluster's GPUs, not this machine's.
+    assert Precision.for_device(CATALOG["H200"]).fused_elementwise
+    assert not Precision.for_device(CATALOG["H200"], compiled=True).fused_elementwise
+    assert not Precision.for_device(CATALOG["CPU"]).fused_elementwise
+
+
+STEPS = 4
+COMMON = ["+model=tiny_llama", "model.hidden_size=64", "model.ffn_hidden_size=160", "model.num_layers=4",
+          "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=1",
+          f"train.train_iters={STEPS}", "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=2",
+          "logging.progress=false", "cluster.groups.0.device_type=CPU"]
+
+
+def test_fused_pipeline_equals_fused_single_process_and_tracks_eager(tmp_path, shakespeare_prefix):
+    data = f"data.path={shakespeare_prefix}"
+
+    def train(name, *overrides):
+        proc, rows = run_pretrain(tmp_path / name, [*COMMON, data, *overrides], timeout=300)
+        return [r["loss"] for r in rows], proc.stdout
+
+    eager, out = train("eager")
+    assert "fused elementwise" not in out  # CPUs do not fuse unless asked
+    single, out = train("single", "train.fuse_elementwise=true")
+    assert ", fp32 (fused elementwise)," in out
+    pipelined, _ = train("mixed", "train.fuse_elementwise=true", "cluster=cpu_mixed", "cluster.transport.kind=tcp",
+                         "partition.layers=[1,3]")
+    assert len(single) == STEPS and pipelined == single
+    assert single == pytest.approx(eager, rel=1e-4) and single[-1] < single[0]
