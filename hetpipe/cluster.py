@@ -11,7 +11,7 @@ and the emulated cluster still runs the cross-vendor code path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from hetpipe.errors import ConfigError
 
@@ -60,6 +60,14 @@ class TransportConfig:
     streams_per_address: int = 1
     # Seconds any boundary wait may take before the rank gives up.
     deadline_s: float = 300.0
+    # Same-vendor (NCCL/RCCL) stage boundaries: at most this many CTAs, hence
+    # SMs, per transfer (ncclConfig_t.maxCTAs of the boundary communicators
+    # only; Megatron-LM sets the same per communicator). A posted send or
+    # receive is a kernel that holds its SMs until the peer arrives, slowing
+    # the GEMMs beside it: on 2xH200 (LLaMA-3-8B, seq 8192) a cap of 4 ran
+    # 3.9 % faster than NCCL's own choice, 1 no faster than 4
+    # (docs/benchmarks.md). null: NCCL's own choice.
+    nccl_max_ctas: Optional[int] = 4
 
 
 @dataclass
@@ -87,6 +95,9 @@ class ClusterConfig:
             raise ConfigError("cluster.transport needs at least one address and one stream per address")
         if self.transport.deadline_s <= 0:
             raise ConfigError("cluster.transport.deadline_s must be positive")
+        if self.transport.nccl_max_ctas is not None and self.transport.nccl_max_ctas <= 0:
+            raise ConfigError(f"cluster.transport.nccl_max_ctas={self.transport.nccl_max_ctas} must be a "
+                              "positive number of CTAs (or null for NCCL's choice)")
 
     @property
     def world_size(self) -> int:

@@ -296,7 +296,8 @@ class Topology:
         # group's own timeout (NCCL's watchdog) is what enforces the deadline.
         deadline = timedelta(seconds=self.cluster.transport.deadline_s)
         for src, dst in self._same_vendor_directions():
-            group = self._new_group([src, dst], self.cluster.group_of(src)[1], timeout=deadline)
+            group = self._new_group([src, dst], self.cluster.group_of(src)[1], timeout=deadline,
+                                    max_ctas=self.cluster.transport.nccl_max_ctas)
             if self.rank in (src, dst):
                 self.p2p_groups[(src, dst)] = group
         last = (len(self.plan.stages) - 1) % self.pipeline_size
@@ -307,16 +308,21 @@ class Topology:
                 if self.rank in (a, b):
                     self.embedding_group = group
 
-    def _new_group(self, ranks: list[int], group: GroupConfig,
-                   timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
+    def _new_group(self, ranks: list[int], group: GroupConfig, timeout: Optional[timedelta] = None,
+                   max_ctas: Optional[int] = None) -> dist.ProcessGroup:
         """A gloo group for CPU ranks; an NCCL (RCCL on ROCm) group for GPU ranks,
         initialised eagerly so that communicator set-up happens here, with every
-        member present, rather than inside the first training step."""
+        member present, rather than inside the first training step. ``max_ctas``
+        caps the communicator's CTAs (cluster.transport.nccl_max_ctas)."""
         if group.on_cpu:  # gloo waits block the host and carry the channel's deadline themselves
             return dist.new_group(ranks, backend="gloo")
         extra = {"timeout": timeout} if timeout is not None else {}
         if self.rank in ranks:
             extra["device_id"] = self.device
+        if max_ctas is not None:
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.max_ctas = max_ctas
+            extra["pg_options"] = options
         return dist.new_group(ranks, backend="nccl", **extra)
 
     def _same_vendor_directions(self) -> list[tuple[int, int]]:

@@ -22,7 +22,9 @@ GPUs, each one pipeline stage replicated DP2 (DP4), configs gpu4_*/gpu8_*;
 --microbatches stays per DP replica so the per-GPU batch equals the 2-GPU run.
 
 A ``+compile`` suffix (``nccl+compile``, ``peer+compile``) compiles the decoder
-layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true).
+layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true);
+``+ctaN`` on an nccl variant caps the boundary communicators at N CTAs
+(cluster.transport.nccl_max_ctas=N).
 ``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
 peer then gets bf16 weights). The first ``--warmup`` steps are not timed (they
 include kernel loading and compilation); ``--profile`` adds one more, untimed,
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +133,7 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
                  *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
                  f"train.precision={args.precision}",
                  f"optimizer.distributed={'zero1' in flags}",
+                 *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
                  "optimizer.lr_warmup_iters=1", "logging.progress=false", f"data.path={args.data}",
                  f"partition.layers={layers}", f"hydra.run.dir={out}", *variant_overrides(variant, args.gpus),
                  *args.set]
@@ -274,9 +278,11 @@ def main() -> None:
     for variant in args.variants.split(","):
         base, *rest = variant.split("+")
         flags = set(rest)
-        if (base not in VARIANTS and base != "peer") or flags - {"compile", "zero1"}:
+        cta_flags = {f for f in flags if re.fullmatch(r"cta[1-9][0-9]*", f)}
+        if (base not in VARIANTS and base != "peer") or flags - {"compile", "zero1"} - cta_flags \
+                or (cta_flags and not base.startswith("nccl")) or len(cta_flags) > 1:
             p.error(f"unknown variant {variant!r}; choose from {list(VARIANTS) + ['peer']}, "
-                    "optionally with +compile and/or +zero1")
+                    "optionally with +compile, +zero1 and (nccl only) +ctaN")
         if base == "peer" and args.gpus != 2:
             p.error("the pipelining peer runs on two GPUs only")
         print(f"== {variant}", flush=True)

@@ -158,3 +158,36 @@ def test_receives_posted_ahead_default_to_one_on_nccl_boundaries_only():
     assert _recv_ahead(cfg, gpu_nccl) == 3
     with pytest.raises(ConfigError, match="partition.recv_ahead=0"):
         resolve({"model": {"name": "m"}, "partition": {"recv_ahead": 0}})
+
+
+def test_nccl_boundary_communicators_are_capped_at_the_configured_ctas(monkeypatch):
+    """cluster.transport.nccl_max_ctas reaches the NCCL config of boundary groups
+    (checked with torch.distributed stubbed: this machine's torch has no NCCL)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from hetpipe.cluster import GroupConfig
+    from hetpipe.topology import Topology
+
+    class Options:
+        def __init__(self):
+            self.config = SimpleNamespace(max_ctas=None)
+
+    made = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=Options), raising=False)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or object())
+    me = SimpleNamespace(rank=0, device=torch.device("cuda", 0))
+    gpus = GroupConfig(name="nvidia", vendor="nvidia", device_type="H200")
+    Topology._new_group(me, [0, 1], gpus, timeout=timedelta(seconds=5), max_ctas=4)
+    Topology._new_group(me, [0, 1], gpus)  # TP/DP groups: NCCL's own choice
+    (_, boundary), (_, other) = made
+    assert boundary["backend"] == "nccl" and boundary["pg_options"].config.max_ctas == 4
+    assert boundary["timeout"] == timedelta(seconds=5) and "pg_options" not in other
+    assert resolve({"model": {"name": "m"}}).cluster.transport.nccl_max_ctas == 4
+    assert resolve({"model": {"name": "m"}, "cluster": {"transport": {"nccl_max_ctas": None}}}) \
+        .cluster.transport.nccl_max_ctas is None
+    with pytest.raises(ConfigError, match="nccl_max_ctas=0"):
+        resolve({"model": {"name": "m"}, "cluster": {"transport": {"nccl_max_ctas": 0}}})
