@@ -106,7 +106,8 @@ def run_profile(cfg: PlanConfig) -> None:
 
     p = cfg.profiling
     name, entry = measure_units(cfg.model, cfg.train.seq_length, cfg.train.micro_batch_size,
-                                cfg.train.precision, repeats=p.repeats, warmup=p.warmup, seed=cfg.train.seed)
+                                cfg.train.precision, repeats=p.repeats, warmup=p.warmup, seed=cfg.train.seed,
+                                fuse_elementwise=cfg.train.fuse_elementwise)
     device_type = p.device_type or detect_device_type(name, catalog_with(dict(cfg.planner.catalog or {})))
     if not device_type:
         raise ConfigError(f"this machine's {name!r} is not in the device catalog: name it with "

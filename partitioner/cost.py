@@ -70,21 +70,31 @@ class Precision:
     ``bf16-autocast``: fp32 weights and residual stream, bf16 matmul inputs
     and outputs, and autocast's bf16 weight copies per microbatch in flight.
     ``fp32``: CPUs.
+
+    ``fused_elementwise``: the layers' elementwise work runs as compiled fused
+    kernels (``train.fuse_elementwise``, on by default on GPUs), which keep
+    fewer activations for the backward (:func:`layer_activation_bytes`).
     """
     matmul_bytes: int
     residual_bytes: int = 4
     # Bytes per parameter of the persistent working copy (bf16 mode).
     working_copy_bytes: int = 0
+    fused_elementwise: bool = False
 
     @classmethod
-    def for_device(cls, spec: DeviceSpec, precision: str = "auto") -> "Precision":
-        """The trainer's rule: ``auto`` is bf16 on GPUs and fp32 on CPUs."""
+    def for_device(cls, spec: DeviceSpec, precision: str = "auto", fuse_elementwise: Optional[bool] = None,
+                   compiled: bool = False) -> "Precision":
+        """The trainer's rules: ``auto`` is bf16 on GPUs and fp32 on CPUs; fused
+        elementwise kernels on GPUs unless whole layers are compiled."""
+        from hetpipe.models.layers import fuses_elementwise
         from hetpipe.precision import resolve_precision
 
-        mode = resolve_precision(precision, "cpu" if spec.vendor == "cpu" else "cuda")
+        device_type = "cpu" if spec.vendor == "cpu" else "cuda"
+        mode = resolve_precision(precision, device_type)
+        fused = fuses_elementwise(fuse_elementwise, device_type, compiled, local=False)
         if mode == "bf16":
-            return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2)
-        return cls(matmul_bytes=2 if mode == "bf16-autocast" else 4)
+            return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2, fused_elementwise=fused)
+        return cls(matmul_bytes=2 if mode == "bf16-autocast" else 4, fused_elementwise=fused)
 
     @property
     def name(self) -> str:
@@ -193,10 +203,19 @@ def layer_activation_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Pr
     the rotated q and k and the attention output (flash-style: no s x s
     scores) plus its log-sum-exp; the SwiGLU keeps the gate/up output,
     silu(gate) and the product feeding the down projection.
+
+    Fused elementwise kernels keep less: a norm keeps its input and its
+    per-token scale (its output is the matmul's saved input), RoPE keeps
+    nothing (the rotated q, k and the contiguous v are what attention
+    keeps), and SwiGLU keeps only the gate/up output.
     """
     e = prec.matmul_bytes
     h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_query_groups,
                      model.head_dim, model.ffn_hidden_size)
+    if prec.fused_elementwise:
+        norm = h * (prec.residual_bytes + e) + 4
+        sharded = e * (2 * d * (a + g) + 3 * f) + 4 * a
+        return float(b * s * (2 * norm + sharded / tp))
     sharded = e * (3 * d * (a + g) + 4 * f) + 4 * a
     return float(b * s * (2 * _norm_bytes(h, prec) + 8 + sharded / tp))
 

@@ -34,12 +34,14 @@ PROFILE_FORMAT = "hetpipe-profile/1"
 UNIT_KINDS = ("embedding", "layer", "head")
 
 
-def profile_shape(model: ModelConfig, seq_length: int, precision: str) -> dict[str, Any]:
+def profile_shape(model: ModelConfig, seq_length: int, precision: str,
+                  fused_elementwise: bool = False) -> dict[str, Any]:
     """What a measurement depends on besides the microbatch size (the layer count does not matter)."""
     return {"hidden_size": model.hidden_size, "ffn_hidden_size": model.ffn_hidden_size,
             "num_attention_heads": model.num_attention_heads, "num_query_groups": model.num_query_groups,
             "head_dim": model.head_dim, "vocab_size": model.vocab_size,
-            "add_qkv_bias": model.add_qkv_bias, "seq_length": seq_length, "precision": precision}
+            "add_qkv_bias": model.add_qkv_bias, "seq_length": seq_length, "precision": precision,
+            "fused_elementwise": fused_elementwise}
 
 
 def load_profile(path: str | Path) -> dict[str, list[dict]]:
@@ -90,8 +92,10 @@ def save_entry(path: str | Path, device_type: str, entry: dict) -> None:
 
 
 def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, precision: str = "auto",
-                  repeats: int = 5, warmup: int = 2, seed: int = 1234) -> tuple[str, dict]:
-    """Profile embedding, one decoder layer and the head on the local device.
+                  repeats: int = 5, warmup: int = 2, seed: int = 1234,
+                  fuse_elementwise: Optional[bool] = None) -> tuple[str, dict]:
+    """Profile embedding, one decoder layer and the head on the local device,
+    with the trainer's precision and elementwise fusion (``train.fuse_elementwise``).
 
     Returns (device name as the runtime reports it, profile entry).
     """
@@ -107,7 +111,10 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
         else torch.device("cpu")
     from hetpipe.precision import activation_dtype, resolve_precision
 
+    from hetpipe.models.layers import fuse_elementwise as fuse, fuses_elementwise
+
     mode = resolve_precision(precision, device.type)
+    fused = fuses_elementwise(fuse_elementwise, device.type, compiled=False)
     if mode != "fp32" and device.type == "cpu":
         raise ConfigError(f"{mode} profiles need a GPU (the trainer runs CPUs in fp32)")
     b, s, h, L = micro_batch_size, seq_length, model.hidden_size, model.num_layers
@@ -127,9 +134,11 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
     units = {}
     for kind, (span, make_inputs) in cases.items():
         module = build_model(model, seed=seed, units=span, device=device)
+        if fused:
+            fuse(module)
         units[kind] = _measure(module, make_inputs, device, mode, repeats, warmup)
         del module
-    entry = {"shape": profile_shape(model, seq_length, mode),
+    entry = {"shape": profile_shape(model, seq_length, mode, fused),
              "micro_batch_size": micro_batch_size, "device_name": accelerator_name(),
              "torch": torch.__version__, "repeats": repeats, "units": units}
     return accelerator_name(), entry

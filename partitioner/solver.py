@@ -280,7 +280,8 @@ class _Context:
         self.names = [g.name for g in self.groups]
         self.device_types = [_device_type(g, self.catalog) for g in self.groups]
         self.specs: list[DeviceSpec] = [device_spec(d, self.catalog) for d in self.device_types]
-        self.precisions = [cost.Precision.for_device(s, train.precision) for s in self.specs]
+        self.precisions = [cost.Precision.for_device(s, train.precision, train.fuse_elementwise, train.compile)
+                           for s in self.specs]
         self.starts = [sum(g.size for g in self.groups[:i]) for i in range(len(self.groups))]
         self.net = planner.network
         self.num_units = model.num_units
@@ -289,7 +290,7 @@ class _Context:
         self.profiles = load_profile(planner.profile) if planner.profile else {}
         self.cost_source = {}
         for g, (name, dtype, prec) in enumerate(zip(self.names, self.device_types, self.precisions)):
-            shape = profile_shape(model, train.seq_length, prec.name)
+            shape = profile_shape(model, train.seq_length, prec.name, prec.fused_elementwise)
             self.cost_source[name] = "profile" if find_entry(self.profiles, dtype, shape, 0) else "analytic"
         kind = cluster.transport.kind
         self.transport = planner.transport if planner.transport != "auto" else \
@@ -304,7 +305,8 @@ class _Context:
         key = (g, tp, mbs, recompute, alone)
         if key not in self._units:
             entry = find_entry(self.profiles, self.device_types[g],
-                               profile_shape(self.model, self.train.seq_length, self.precisions[g].name), mbs)
+                               profile_shape(self.model, self.train.seq_length, self.precisions[g].name,
+                                             self.precisions[g].fused_elementwise), mbs)
             shape = cost.StageShape(tp, mbs, self.train.seq_length, recompute)
             shares = alone and self.model.share_embeddings_and_output_weights
             self._units[key] = cost.unit_costs(self.model, self.specs[g], shape, self.precisions[g], self.net,
