@@ -23,7 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hetpipe.checkpoint import restore, save_checkpoint, should_save
-from hetpipe.comm.vendor import accelerator_name
+from hetpipe.comm.vendor import accelerator_name, detect_vendor
 from hetpipe.config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
@@ -146,6 +146,9 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
                                sequence_parallel=cfg.partition.sequence_parallel)
         if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
             fuse_elementwise(chunk)
+            if c == 0 and topo.local_rank == 0 and detect_vendor() == "amd":
+                print("hetpipe: note: fused elementwise kernels (Triton on ROCm) are not verified on AMD "
+                      "hardware; train.fuse_elementwise=false runs the eager kernels", flush=True)
         if cfg.train.compile:
             for layer in chunk.layers.values():
                 layer.compile()
