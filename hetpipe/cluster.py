@@ -65,7 +65,7 @@ class TransportConfig:
     # only; Megatron-LM sets the same per communicator). A posted send or
     # receive is a kernel that holds its SMs until the peer arrives, slowing
     # the GEMMs beside it: on 2xH200 (LLaMA-3-8B, seq 8192) a cap of 4 ran
-    # 3.9 % faster than NCCL's own choice, 1 no faster than 4
+    # 3.6-3.8 % faster than NCCL's own choice, and 1 no faster than 4
     # (docs/benchmarks.md). null: NCCL's own choice.
     nccl_max_ctas: Optional[int] = 4
 

@@ -35,7 +35,7 @@ prediction for the same plan; writes ``results.json`` and ``results.md`` to --ou
 
 Example (2xH200):
   python scripts/bench_pp2_llm.py --out runs/bench8b --model llama8b --seq-length 8192 \\
-      --microbatches 32 --layers 17,15 --data .gpu/shakespeare_text_document
+      --microbatches 32 --layers 18,14 --data .gpu/shakespeare_text_document
 """
 from __future__ import annotations
 
@@ -255,7 +255,8 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=8192)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=32)
-    p.add_argument("--layers", default="17,15", help="decoder layers of stage 0 and stage 1")
+    p.add_argument("--layers", default="18,14",
+                   help="decoder layers of stage 0 and stage 1 (18,14 balances LLaMA-3-8B on 2xH200)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--data", default="demo")
