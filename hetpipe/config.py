@@ -47,8 +47,9 @@ class TrainConfig:
     grad_accumulation_fusion: bool = True
     # torch.compile each decoder layer (Module.compile).
     compile: bool = False
-    # Compile only the decoder layer's elementwise work (RMSNorm, residual add
-    # + norm, RoPE, SwiGLU) into fused kernels; GEMMs and attention stay eager.
+    # Compile only the elementwise work (RMSNorm, residual add + norm, RoPE,
+    # SwiGLU, the loss's per-chunk math) into fused kernels; GEMMs and
+    # attention stay eager.
     # None (auto): on for CUDA ranks with Triton, unless train.compile is on.
     # See hetpipe/models/layers.py.
     fuse_elementwise: Optional[bool] = None

@@ -49,6 +49,9 @@ class Head(nn.Module):
     identically; the pipeline keeps the two copies' gradients in sync.
     """
 
+    # Set per instance by fuse_elementwise(): the loss's chunk math compiled.
+    fused = False
+
     def __init__(self, cfg: ModelConfig, tied_embedding: Optional[Embedding] = None) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
@@ -80,7 +83,7 @@ class Head(nn.Module):
         else:
             compute_dtype = h.dtype
         return fused_linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
-                                          compute_dtype=compute_dtype)
+                                          compute_dtype=compute_dtype, fused=self.fused)
 
 
 class CausalLM(nn.Module):
