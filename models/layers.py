@@ -59,9 +59,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled(fn):
-    """``fn`` under torch.compile: one per function and process, shared by all
-    layers (static shapes; a new shape compiles once more)."""
+def compile_pure(fn):
+    """``fn`` (a pure tensor function) under torch.compile: one per function and
+    process, shared by all layers (static shapes; a new shape compiles once more)."""
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_compiled(rms_norm) if self.fused else rms_norm)(x, self.weight, self.eps)
+        return (compile_pure(rms_norm) if self.fused else rms_norm)(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, base: float) -> torch.Tensor:
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         if self.fused:
             # [b, s, h, d] views transposed to [b, h, s, d]: the layout SDPA's
             # kernels take without a copy.
-            q, k, v = _compiled(rope_qkv)(self.qkv(x), cos, sin, self.num_heads, self.num_groups, self.head_dim)
+            q, k, v = compile_pure(rope_qkv)(self.qkv(x), cos, sin, self.num_heads, self.num_groups, self.head_dim)
             y = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                 enable_gqa=self.num_groups != self.num_heads)
@@ -168,7 +168,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down((_compiled(swiglu) if self.fused else swiglu)(self.gate_up(x)))
+        return self.down((compile_pure(swiglu) if self.fused else swiglu)(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -187,7 +187,7 @@ class DecoderLayer(nn.Module):
         attended = self.attention(self.input_norm(x), cos, sin)
         if self.fused:
             norm = self.post_attention_norm
-            x, h = _compiled(add_rms_norm)(x, attended, norm.weight, norm.eps)
+            x, h = compile_pure(add_rms_norm)(x, attended, norm.weight, norm.eps)
         else:
             x = x + attended
             h = self.post_attention_norm(x)

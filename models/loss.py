@@ -31,10 +31,11 @@ gradient, not a bf16-rounded one).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
+
+from hetpipe.models.layers import compile_pure
 
 # Budget for one chunk's fp32 logits when chunk_tokens is not given.
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
@@ -131,7 +132,7 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
                          inv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's summed loss and d(mean loss)/d(logits) in the logits' dtype,
-    as pure functions of the chunk (what :func:`_fused_chunk` compiles).
+    as a pure function of the chunk (what ``fused=True`` compiles).
 
     logits [n, V]; target [n] (ignored rows hold any valid index); valid [n].
     """
@@ -143,11 +144,6 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torc
     scale = (valid.to(torch.float32) * inv_count).unsqueeze(1)
     grad = (torch.exp(scores - lse.unsqueeze(1)) - one_hot.to(torch.float32)) * scale
     return loss, grad.to(logits.dtype)
-
-
-@functools.cache
-def _fused_chunk():
-    return torch.compile(_chunk_loss_and_grad, fullgraph=True, dynamic=False)
 
 
 def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
@@ -174,8 +170,8 @@ def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         h = hidden[start:stop].to(compute_dtype)
         if fused and need_grads:
             logits = h @ w.t()                    # [n, V] in compute_dtype
-            chunk_loss, grad_logits = _fused_chunk()(logits, safe_labels[start:stop], valid[start:stop],
-                                                     inv_count)
+            chunk_loss, grad_logits = compile_pure(_chunk_loss_and_grad)(
+                logits, safe_labels[start:stop], valid[start:stop], inv_count)
             del logits
             loss_sum += chunk_loss
         else:
