@@ -312,11 +312,7 @@ class GradReducer:
         self.events.append(("finish", -1))
         self.num_collectives_last_step = len(self._launched)
         self.last_step_events = self.events
-        self.events = []
-        self._launched = []
-        self._counts = [0] * len(self.params)
-        self._next_bucket = 0
-        self._reset_pending()
+        self._start_step()
 
     def reset(self) -> None:
         """Abandon the current step: wait for anything in flight and clear the
@@ -325,6 +321,10 @@ class GradReducer:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """Clear the per-step counters, events and launched collectives."""
         self.events = []
         self._launched = []
         self._counts = [0] * len(self.params)
