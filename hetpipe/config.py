@@ -16,6 +16,7 @@ from hetpipe.checkpoint.config import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.config import ModelConfig, preset_names
+from hetpipe.models.layers import ATTENTION_BACKENDS
 from hetpipe.precision import PRECISIONS
 from hetpipe.partitioner.solver import PlannerConfig
 
@@ -53,6 +54,11 @@ class TrainConfig:
     # None (auto): on for CUDA ranks with Triton, unless train.compile is on.
     # See hetpipe/models/layers.py.
     fuse_elementwise: Optional[bool] = None
+    # The SDPA backend the decoder layers prefer: auto (torch's choice; cuDNN
+    # on H100/H200 with torch 2.11), cudnn, flash, efficient or math. The
+    # others stay allowed behind it, so a rank that lacks it (cuDNN on ROCm)
+    # falls back rather than failing (Megatron's --attention-backend).
+    attention_backend: str = "auto"
     # Profile this optimizer step (1-based) on GPU ranks: each writes
     # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
     profile_step: Optional[int] = None
@@ -69,6 +75,9 @@ class TrainConfig:
             raise ConfigError(f"train.profile_step={self.profile_step} must be a step number (1-based)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"train.attention_backend={self.attention_backend!r} must be one of "
+                              f"{', '.join(ATTENTION_BACKENDS)}")
 
 
 @dataclass

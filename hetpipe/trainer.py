@@ -32,7 +32,7 @@ from hetpipe.launch import launch, rank_env, under_torchrun
 from hetpipe.metrics import MetricsLogger
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
-from hetpipe.models.layers import fuse_elementwise, fuses_elementwise
+from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.precision import Bf16Weights, activation_dtype, resolve_precision
@@ -144,6 +144,7 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
         if topo.tp_size > 1:
             parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
                                sequence_parallel=cfg.partition.sequence_parallel)
+        set_attention_backend(chunk, cfg.train.attention_backend)
         if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
             fuse_elementwise(chunk)
             if c == 0 and topo.local_rank == 0 and detect_vendor() == "amd":

@@ -119,10 +119,51 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+
+
+def sdpa_preference(backend: str) -> Optional[tuple]:
+    """The SDPA backends to try, best first, for ``train.attention_backend``
+    (None: torch's own order). The chosen one goes first and the others stay
+    allowed behind it, so a rank whose build or GPU lacks it (cuDNN on ROCm, a
+    shape the kernel refuses) runs the next one instead of failing: one
+    setting serves every vendor group of a mixed cluster."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"train.attention_backend={backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "auto":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return (order[backend],) + tuple(b for name, b in order.items() if name != backend)
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    """Make every attention module of ``model`` prefer SDPA backend ``backend``."""
+    preference = sdpa_preference(backend)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sdpa_backends = preference
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention through scaled_dot_product_attention."""
 
     fused = False
+    # Set per instance by set_attention_backend(); None: torch's own choice.
+    sdpa_backends: Optional[tuple] = None
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        gqa = self.num_groups != self.num_heads
+        if self.sdpa_backends is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        from torch.nn.attention import sdpa_kernel
+
+        # The backward runs the kernel the forward picked (autograd records
+        # the backend's own op), so only the forward needs the context.
+        with sdpa_kernel(list(self.sdpa_backends), set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -141,9 +182,7 @@ class Attention(nn.Module):
             # [b, s, h, d] views transposed to [b, h, s, d]: the layout SDPA's
             # kernels take without a copy.
             q, k, v = compile_pure(rope_qkv)(self.qkv(x), cos, sin, self.num_heads, self.num_groups, self.head_dim)
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                enable_gqa=self.num_groups != self.num_heads)
+            y = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
@@ -154,8 +193,7 @@ class Attention(nn.Module):
         # models do) keeps fp32 copies of q and k out of the saved activations.
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_groups != self.num_heads)
+        y = self._sdpa(q, k, v)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
 

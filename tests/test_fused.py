@@ -12,7 +12,9 @@ from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models import layers as layers_mod
 from hetpipe.models.config import model_preset
-from hetpipe.models.layers import Attention, DecoderLayer, RMSNorm, SwiGLU, fuse_elementwise, fuses_elementwise
+from hetpipe.config import TrainConfig
+from hetpipe.models.layers import (Attention, DecoderLayer, RMSNorm, SwiGLU, fuse_elementwise, fuses_elementwise,
+                                   sdpa_preference, set_attention_backend)
 from hetpipe.partitioner.catalog import CATALOG
 from hetpipe.partitioner.cost import Precision, layer_activation_bytes
 from hetpipe.partitioner.profile import measure_units
@@ -66,6 +68,34 @@ def test_when_layers_fuse(monkeypatch):
     assert Precision.for_device(CATALOG["H200"]).fused_elementwise
     assert not Precision.for_device(CATALOG["H200"], compiled=True).fused_elementwise
     assert not Precision.for_device(CATALOG["CPU"]).fused_elementwise
+
+
+def test_attention_backend_is_preferred_and_falls_back(one_thread):
+    """train.attention_backend puts one SDPA backend first; a rank that cannot
+    run it (no cuDNN on a CPU, as on a ROCm GPU) runs the next one and trains
+    the same model."""
+    from torch.nn.attention import SDPBackend
+
+    assert sdpa_preference("auto") is None
+    cudnn = sdpa_preference("cudnn")
+    assert cudnn[0] == SDPBackend.CUDNN_ATTENTION and len(set(cudnn)) == 4 and SDPBackend.MATH in cudnn
+    with pytest.raises(ConfigError, match="train.attention_backend='fa3' must be one of auto, cudnn"):
+        sdpa_preference("fa3")
+    with pytest.raises(ConfigError, match="train.attention_backend='fa3'"):
+        TrainConfig(attention_backend="fa3")
+    cfg = model_preset("tiny_llama")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
+    losses = {}
+    for backend in ("auto", "cudnn", "math"):
+        model = build_model(cfg, seed=3)
+        set_attention_backend(model, backend)
+        attention = [m for m in model.modules() if isinstance(m, Attention)]
+        assert attention and all(m.sdpa_backends == sdpa_preference(backend) for m in attention)
+        losses[backend] = model(tokens, labels)
+    assert losses["cudnn"].item() == losses["auto"].item()
+    torch.testing.assert_close(losses["math"], losses["auto"], rtol=1e-5, atol=1e-6)
 
 
 STEPS = 4
