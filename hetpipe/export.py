@@ -67,7 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("checkpoint", help="an iter_NNNNNNN checkpoint directory, or a save directory")
     parser.add_argument("out_dir", help="the Hugging Face model directory to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="precision of the exported weights (checkpoints hold float32 masters)")
+                        help="precision of the exported weights (checkpoints hold float32 masters, bf16 under "
+                             "train.precision=bf16-pure)")
     args = parser.parse_args(argv)
 
     def _run() -> None:

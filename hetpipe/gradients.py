@@ -76,7 +76,8 @@ class GradNormClipper:
         if not grads:
             return []
         if not self.sharded:
-            return list(torch._foreach_norm(grads))
+            # fp32 norms also of bf16 gradients (train.precision=bf16-pure).
+            return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
         from hetpipe.parallel.tensor import tp_sq_norm_share
 
         return [tp_sq_norm_share(p, g).sqrt() for p, g in zip(self.params, grads)]

@@ -11,6 +11,19 @@
     see fp32, exactly as in the other modes. After every optimizer step the
     working copies are refreshed from the main weights (one cast per step, not
     one per microbatch as autocast does).
+``bf16-pure``
+    No fp32 anywhere in the model's state: the parameters themselves are
+    bf16, and so are their gradients (accumulated over the microbatches in
+    bf16 by autograd) and AdamW's moments (torch keeps them in the
+    parameter's dtype). 8 bytes per parameter instead of 18. This is what the
+    ``torch.distributed.pipelining`` peer of the benchmarks runs ("bf16
+    weights"), so the two can be compared at the same precision and memory.
+    An update smaller than half a bf16 step of a weight (a relative 2^-9) is
+    lost, so long runs drift from ``bf16``'s curve: use it for comparisons
+    and short runs, ``bf16`` for real pretraining (the trainer prints a
+    note). Under ``optimizer.distributed`` with DP > 1 the ZeRO-1 optimizer
+    keeps fp32 main shards and moments of the bf16 parameters (Megatron's
+    distributed optimizer), so only weights and gradients stay bf16.
 ``bf16-autocast``
     fp32 weights and residual stream; ``torch.autocast`` casts each matmul's
     inputs to bf16 (and re-casts every weight for every microbatch). Boundary
@@ -20,6 +33,8 @@
     Everything fp32 (what CPU ranks run).
 ``auto``
     ``bf16`` on GPUs, ``fp32`` on CPUs.
+
+Every mode computes RMSNorm statistics, RoPE tables and the loss in fp32.
 
 How the working copies are wired (:class:`Bf16Weights`): each fp32 parameter
 ``p`` gets ``w = p.to(bfloat16)`` made once, with autograd recording the cast,
@@ -59,7 +74,7 @@ from torch import nn
 
 from hetpipe.errors import ConfigError
 
-PRECISIONS = ("auto", "bf16", "bf16-autocast", "fp32")
+PRECISIONS = ("auto", "bf16", "bf16-pure", "bf16-autocast", "fp32")
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
@@ -73,7 +88,20 @@ def resolve_precision(precision: str, device_type: str) -> str:
 
 def activation_dtype(mode: str) -> torch.dtype:
     """dtype of the residual stream, hence of stage-boundary messages."""
-    return torch.bfloat16 if mode == "bf16" else torch.float32
+    return torch.bfloat16 if mode in ("bf16", "bf16-pure") else torch.float32
+
+
+@torch.no_grad()
+def cast_parameters(chunks: Sequence[nn.Module], dtype: torch.dtype) -> None:
+    """Store every floating-point parameter of ``chunks`` in ``dtype`` (bf16-pure).
+
+    Parameters only: buffers such as RoPE's inverse frequencies keep fp32. A
+    parameter shared by two modules stays one tensor (``.data`` is swapped
+    in place of the object)."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def _accumulate_fp32_reference(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
-from hetpipe.precision import Bf16Weights, activation_dtype, resolve_precision
+from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
 from hetpipe.profiling import profile_step
 from hetpipe.schedules import build_schedule
 from hetpipe.topology import Topology, check_group_vendor, check_transport_available, resolve_plan
@@ -178,6 +178,12 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
     chunks = _build_chunks(cfg, plan, topo)
+    if precision == "bf16-pure":
+        cast_parameters(chunks, torch.bfloat16)  # before the reducer's buffers and the optimizer's state
+        if topo.rank == 0:
+            print("hetpipe: note: train.precision=bf16-pure keeps no fp32 main weights (updates below a "
+                  "weight's bf16 resolution are lost); it is for comparisons with pure-bf16 runs, "
+                  "train.precision=bf16 is the mode for real pretraining", flush=True)
     fused = any(getattr(m, "fused", False) for chunk in chunks for m in chunk.modules())
     actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
     # bf16: made after TP sharding (the copies are of the shards).

@@ -69,6 +69,8 @@ class Precision:
     bf16), plus a persistent bf16 working copy of every fp32 main weight.
     ``bf16-autocast``: fp32 weights and residual stream, bf16 matmul inputs
     and outputs, and autocast's bf16 weight copies per microbatch in flight.
+    ``bf16-pure``: as ``bf16`` for compute, but the parameters, gradients and
+    AdamW moments themselves are bf16 (no working copy, no fp32 state).
     ``fp32``: CPUs.
 
     ``fused_elementwise``: the layers' elementwise work runs as compiled fused
@@ -80,6 +82,21 @@ class Precision:
     # Bytes per parameter of the persistent working copy (bf16 mode).
     working_copy_bytes: int = 0
     fused_elementwise: bool = False
+    # bf16-pure: bf16 parameters, gradients and AdamW state.
+    pure_bf16: bool = False
+
+    @property
+    def grad_bytes(self) -> int:
+        return 2 if self.pure_bf16 else GRAD_BYTES
+
+    def static_bytes_per_param(self, dp: int, distributed_optimizer: bool) -> float:
+        """Weights, gradients, optimizer state and working copy per parameter.
+        bf16-pure under ZeRO-1 keeps fp32 main shards and moments (12 bytes / DP)."""
+        if not self.pure_bf16:
+            return static_bytes_per_param(dp, distributed_optimizer) + self.working_copy_bytes
+        if distributed_optimizer and dp > 1:
+            return 2 + 2 + (WEIGHT_BYTES + ADAM_BYTES) / dp
+        return 2 + 2 + ADAM_BYTES / 2
 
     @classmethod
     def for_device(cls, spec: DeviceSpec, precision: str = "auto", fuse_elementwise: Optional[bool] = None,
@@ -94,12 +111,16 @@ class Precision:
         fused = fuses_elementwise(fuse_elementwise, device_type, compiled, local=False)
         if mode == "bf16":
             return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2, fused_elementwise=fused)
+        if mode == "bf16-pure":
+            return cls(matmul_bytes=2, residual_bytes=2, fused_elementwise=fused, pure_bf16=True)
         return cls(matmul_bytes=2 if mode == "bf16-autocast" else 4, fused_elementwise=fused)
 
     @property
     def name(self) -> str:
         if self.matmul_bytes == 4:
             return "fp32"
+        if self.pure_bf16:
+            return "bf16-pure"
         return "bf16" if self.residual_bytes == 2 else "bf16-autocast"
 
     @property
@@ -276,11 +297,11 @@ def static_bytes_per_param(dp: int, distributed_optimizer: bool) -> float:
 
 
 def grad_sync_s(params, dp: int, gbs: float, latency_us: float, spec: DeviceSpec,
-                distributed_optimizer: bool):
+                distributed_optimizer: bool, grad_bytes: int = GRAD_BYTES):
     """DP gradient all-reduce (or reduce-scatter + all-gather: the same bytes) of a
     stage's fp32 gradients, plus the AdamW step that follows it (``params`` a
     number or an array)."""
-    sync = allreduce_s(params * GRAD_BYTES, dp, gbs, latency_us)
+    sync = allreduce_s(params * grad_bytes, dp, gbs, latency_us)
     shard = dp if distributed_optimizer else 1
     return sync + params / shard * ADAM_STEP_BYTES / (spec.memory_bandwidth_tbs * 1e12)
 

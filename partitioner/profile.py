@@ -109,7 +109,7 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
         raise ConfigError("profiling needs repeats >= 1 and warmup >= 1")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    from hetpipe.precision import activation_dtype, resolve_precision
+    from hetpipe.precision import activation_dtype, cast_parameters, resolve_precision
 
     from hetpipe.models.layers import fuse_elementwise as fuse, fuses_elementwise
 
@@ -134,6 +134,8 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
     units = {}
     for kind, (span, make_inputs) in cases.items():
         module = build_model(model, seed=seed, units=span, device=device)
+        if mode == "bf16-pure":
+            cast_parameters([module], torch.bfloat16)
         if fused:
             fuse(module)
         units[kind] = _measure(module, make_inputs, device, mode, repeats, warmup)

@@ -322,11 +322,11 @@ class _Context:
         time = _range_sums(uc.time_s)
         time[~np.triu(np.ones_like(time, dtype=bool), 1)] = INF
         params = _range_sums(uc.params)
-        static = params * (cost.static_bytes_per_param(dp, self.planner.distributed_optimizer)
-                           + self.precisions[g].working_copy_bytes) \
+        static = params * self.precisions[g].static_bytes_per_param(dp, self.planner.distributed_optimizer) \
             + 2 * cost.RECV_AHEAD * uc.boundary_bytes
         gbs, lat = self.dp_link(g, tp, dp)
-        sync = cost.grad_sync_s(params, dp, gbs, lat, spec, self.planner.distributed_optimizer)
+        sync = cost.grad_sync_s(params, dp, gbs, lat, spec, self.planner.distributed_optimizer,
+                                self.precisions[g].grad_bytes)
         capacity = spec.memory_gib * cost.GIB * self.planner.memory_headroom
         gcosts = _GroupCosts(time, static, _range_sums(uc.activation_bytes),
                              _range_max(uc.transient_bytes), sync, capacity)

@@ -24,7 +24,9 @@ GPUs, each one pipeline stage replicated DP2 (DP4), configs gpu4_*/gpu8_*;
 A ``+compile`` suffix (``nccl+compile``, ``peer+compile``) compiles the decoder
 layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true);
 ``+ctaN`` on an nccl variant caps the boundary communicators at N CTAs
-(cluster.transport.nccl_max_ctas=N).
+(cluster.transport.nccl_max_ctas=N); ``+pure`` runs hetpipe in
+train.precision=bf16-pure, the peer's own precision (bf16 parameters,
+gradients and AdamW state), beside the default.
 ``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
 peer then gets bf16 weights). The first ``--warmup`` steps are not timed (they
 include kernel loading and compilation); ``--profile`` adds one more, untimed,
@@ -131,7 +133,7 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
                  f"train.train_iters={args.steps + (1 if args.profile else 0)}", "train.log_interval=1",
                  f"train.compile={'compile' in flags}",
                  *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
-                 f"train.precision={args.precision}",
+                 f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
                  f"optimizer.distributed={'zero1' in flags}",
                  *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
                  "optimizer.lr_warmup_iters=1", "logging.progress=false", f"data.path={args.data}",
@@ -174,7 +176,7 @@ def run_peer(args, compiled: bool, out: Path) -> dict:
             cmd += ["--set", item.removeprefix("model.")]
     if compiled:
         cmd.append("--compile")
-    if args.precision == "bf16":
+    if args.precision in ("bf16", "bf16-pure"):
         # The peer's bf16 compute: bf16 parameters (it has no fp32 main copies,
         # so it keeps 8 bytes per parameter to hetpipe's 18).
         cmd.append("--bf16-weights")
@@ -263,8 +265,8 @@ def main() -> None:
     p.add_argument("--variants", default="nccl,direct,tcp4,tcp1,gloo,peer")
     p.add_argument("--gpus", type=int, default=2, choices=[2, 4, 8],
                    help="local GPUs: 2 = PP2; 4/8 = PP2 x DP2/DP4 over two vendor groups")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast"],
-                   help="train.precision of the hetpipe runs; bf16 also gives the peer bf16 weights")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "bf16-pure", "bf16-autocast"],
+                   help="train.precision of the hetpipe runs; bf16 and bf16-pure give the peer bf16 weights")
     p.add_argument("--profile", action="store_true",
                    help="hetpipe runs profile one extra, untimed step (train.profile_step); "
                         "the reports go into results.json and each run dir")
@@ -280,10 +282,12 @@ def main() -> None:
         base, *rest = variant.split("+")
         flags = set(rest)
         cta_flags = {f for f in flags if re.fullmatch(r"cta[1-9][0-9]*", f)}
-        if (base not in VARIANTS and base != "peer") or flags - {"compile", "zero1"} - cta_flags \
-                or (cta_flags and not base.startswith("nccl")) or len(cta_flags) > 1:
+        if (base not in VARIANTS and base != "peer") or flags - {"compile", "zero1", "pure"} - cta_flags \
+                or (cta_flags and not base.startswith("nccl")) or len(cta_flags) > 1 \
+                or (base == "peer" and "pure" in flags):
             p.error(f"unknown variant {variant!r}; choose from {list(VARIANTS) + ['peer']}, "
-                    "optionally with +compile, +zero1 and (nccl only) +ctaN")
+                    "optionally with +compile, +zero1, +pure (not the peer: it is pure bf16 already) "
+                    "and (nccl only) +ctaN")
         if base == "peer" and args.gpus != 2:
             p.error("the pipelining peer runs on two GPUs only")
         print(f"== {variant}", flush=True)

@@ -17,26 +17,27 @@ def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, shakespear
            "--set", "model.hidden_size=64", "--set", "model.ffn_hidden_size=160"]
     proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(out), "--gpus", "4",
                            "--model", "tiny_llama", "--seq-length", "32", "--microbatches", "4", "--layers", "2,2",
-                           "--steps", "3", "--data", shakespeare_prefix, "--variants", "tcp4+zero1,tp2", *cpu],
+                           "--steps", "3", "--data", shakespeare_prefix, "--variants", "tcp4+zero1+pure,tp2", *cpu],
                           cwd=REPO, text=True, capture_output=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())["results"]
-    pp_dp = results["tcp4+zero1"]
+    pp_dp = results["tcp4+zero1+pure"]
     assert pp_dp["rc"] == 0 and pp_dp["steps_timed"] == 2 and pp_dp["tokens_per_s"] > 0
     # PP2 x DP2 with ZeRO-1 really ran as planned...
-    plan = (out / "tcp4_zero1" / "plan.yaml").read_text()
-    assert "dp: 2" in plan and "distributed: true" in (out / "tcp4_zero1" / "config.yaml").read_text()
+    plan = (out / "tcp4_zero1_pure" / "plan.yaml").read_text()
+    config = (out / "tcp4_zero1_pure" / "config.yaml").read_text()
+    assert "dp: 2" in plan and "distributed: true" in config and "precision: bf16-pure" in config
     # ...and the cost model predicted that plan's step.
     assert pp_dp["predicted_step_s"] > 0
     # TP2 in the first group only: three stages; the planner cannot express per-group TP.
     assert results["tp2"]["rc"] == 0 and results["tp2"]["predicted_step_s"] is None
     assert "one TP degree" in results["tp2"]["predicted_note"]
     table = (out / "results.md").read_text()
-    assert "| tcp4+zero1 |" in table and "step s (predicted)" in table
+    assert "| tcp4+zero1+pure |" in table and "step s (predicted)" in table
 
 
 def test_bench_driver_refuses_unknown_variants_and_misplaced_flags(tmp_path):
-    for variant in ("direct+cta2", "nccl+cta0", "nccl+fast"):
+    for variant in ("direct+cta2", "nccl+cta0", "nccl+fast", "peer+pure"):
         proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(tmp_path),
                                "--variants", variant], cwd=REPO, text=True, capture_output=True, timeout=60)
         assert proc.returncode == 2 and f"unknown variant {variant!r}" in proc.stderr and "+ctaN" in proc.stderr

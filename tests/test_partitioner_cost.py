@@ -91,3 +91,17 @@ def test_precision_follows_the_trainer():
     # is kept per microbatch and boundary messages are half the size.
     assert bf16.activation_bytes[1] < autocast.activation_bytes[1] - 2 * autocast.params[1]
     assert bf16.boundary_bytes == autocast.boundary_bytes / 2
+
+def test_bf16_pure_keeps_eight_bytes_per_parameter_and_plans_with_them():
+    h200 = CATALOG["H200"]
+    bf16, pure = Precision.for_device(h200), Precision.for_device(h200, "bf16-pure")
+    assert pure.name == "bf16-pure" and pure.grad_bytes == 2
+    assert bf16.static_bytes_per_param(1, False) == 4 + 4 + 8 + 2  # Megatron's bf16 mode
+    assert pure.static_bytes_per_param(1, False) == 2 + 2 + 4  # the pipelining peer's bf16 weights
+    # ZeRO-1 over DP4 of bf16 parameters: fp32 main shards and moments.
+    assert pure.static_bytes_per_param(4, True) == 2 + 2 + 12 / 4
+    # Same compute, so the same activations and boundary messages.
+    shape = StageShape(1, 1, 4096, False)
+    a = unit_costs(model_preset("llama8b"), h200, shape, bf16, NetworkConfig())
+    b = unit_costs(model_preset("llama8b"), h200, shape, pure, NetworkConfig())
+    assert list(a.activation_bytes) == list(b.activation_bytes) and a.boundary_bytes == b.boundary_bytes

@@ -14,7 +14,7 @@ from conftest import run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models.config import ModelConfig
-from hetpipe.precision import Bf16Weights, resolve_precision
+from hetpipe.precision import Bf16Weights, cast_parameters, resolve_precision
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -139,3 +139,48 @@ def test_bf16_pipeline_across_vendors_equals_single_process_resumes_and_tracks_f
     for step, (loss, _) in single.items():
         assert abs(loss - fp32[step][0]) / fp32[step][0] < 0.03, step
     assert single[STEPS][0] < single[1][0] - 1.0  # and it learns
+
+
+def test_cast_parameters_keeps_buffers_and_tied_weights():
+    tied = ModelConfig(name="t", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=64, max_position_embeddings=64,
+                       share_embeddings_and_output_weights=True)
+    model = build_model(tied, seed=1)
+    reference = build_model(tied, seed=1)
+    cast_parameters([model], torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.inv_freq.dtype == torch.float32  # RoPE frequencies stay fp32
+    assert model.head.output_weight is model.embedding.weight
+    for (n, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(a, b.to(torch.bfloat16)), n
+
+
+def test_bf16_pure_pipeline_equals_single_process_resumes_and_holds_bf16_state(tmp_path, shakespeare_prefix):
+    """train.precision=bf16-pure (the pipelining peer's precision): bf16
+    parameters, gradients, AdamW moments and checkpoints, the same bitwise
+    parity across the vendor boundary and through a resume, and a loss curve
+    near bf16 mode's over a short run."""
+    steps = STEPS // 2
+    single, out = _train(tmp_path, "single", shakespeare_prefix, "train.precision=bf16-pure",
+                         f"train.train_iters={steps}")
+    assert ", bf16-pure," in out and "keeps no fp32 main weights" in out
+    ckpt = tmp_path / "ckpt"
+    mixed = ["train.precision=bf16-pure", "cluster=cpu_mixed", "cluster.transport.kind=tcp",
+             "partition.layers=[1,3]", f"checkpoint.save_dir={ckpt}"]
+    first, _ = _train(tmp_path, "mixed_a", shakespeare_prefix, *mixed, f"train.train_iters={steps // 2}",
+                      f"checkpoint.save_interval={steps // 2}")
+    second, out = _train(tmp_path, "mixed_b", shakespeare_prefix, *mixed, f"train.train_iters={steps}",
+                         "checkpoint.resume=latest")
+    assert "resumed from" in out
+    assert {**first, **second} == single
+    from safetensors.torch import load_file
+    saved = ckpt / f"iter_{steps // 2:07d}"
+    model = [t for s in saved.glob("model-*.safetensors") for t in load_file(s).values()]
+    assert model and all(t.dtype == torch.bfloat16 for t in model)
+    moments = [t for s in saved.glob("optim-*.safetensors") for n, t in load_file(s).items() if "exp_avg" in n]
+    assert moments and all(t.dtype == torch.bfloat16 for t in moments)
+
+    bf16, _ = _train(tmp_path, "bf16", shakespeare_prefix, "train.precision=bf16", f"train.train_iters={steps}")
+    assert bf16 != single  # no fp32 main weights really changed the arithmetic
+    for step, (loss, _) in single.items():
+        assert abs(loss - bf16[step][0]) / bf16[step][0] < 0.03, step
