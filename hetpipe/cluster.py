@@ -63,11 +63,18 @@ class TransportConfig:
     # Same-vendor (NCCL/RCCL) stage boundaries: at most this many CTAs, hence
     # SMs, per transfer (ncclConfig_t.maxCTAs of the boundary communicators
     # only; Megatron-LM sets the same per communicator). A posted send or
-    # receive is a kernel that holds its SMs until the peer arrives, slowing
-    # the GEMMs beside it: on 2xH200 (LLaMA-3-8B, seq 8192) a cap of 4 ran
-    # 3.6-3.8 % faster than NCCL's own choice, and 1 no faster than 4
-    # (docs/benchmarks.md). null: NCCL's own choice.
-    nccl_max_ctas: Optional[int] = 4
+    # receive is a kernel that holds its SMs until the peer arrives. null:
+    # NCCL's own choice.
+    nccl_max_ctas: Optional[int] = 2
+    # SMs that the GEMMs of a CUDA rank leave free for those NCCL kernels
+    # (torch's SM carveout for cuBLASLt). Hopper's GEMMs are persistent, one
+    # CTA per SM: a few SMs held by a waiting NCCL kernel push part of every
+    # GEMM into a second wave. null (auto): nccl_max_ctas times the rank's
+    # boundary communicators on NVIDIA ranks that have any; 0: off. On 2xH200
+    # (LLaMA-3-8B, seq 4096) 2 CTAs with 4 SMs carved out ran 6.3 % faster
+    # than 4 CTAs without (docs/benchmarks.md). See
+    # hetpipe/topology.py:apply_gemm_sm_carveout.
+    gemm_sm_carveout: Optional[int] = None
 
 
 @dataclass
@@ -98,6 +105,9 @@ class ClusterConfig:
         if self.transport.nccl_max_ctas is not None and self.transport.nccl_max_ctas <= 0:
             raise ConfigError(f"cluster.transport.nccl_max_ctas={self.transport.nccl_max_ctas} must be a "
                               "positive number of CTAs (or null for NCCL's choice)")
+        if self.transport.gemm_sm_carveout is not None and self.transport.gemm_sm_carveout < 0:
+            raise ConfigError(f"cluster.transport.gemm_sm_carveout={self.transport.gemm_sm_carveout} must be "
+                              "a number of SMs, 0 or more (or null for automatic)")
 
     @property
     def world_size(self) -> int:

@@ -308,6 +308,37 @@ class Topology:
                 if self.rank in (a, b):
                     self.embedding_group = group
 
+    def gemm_sm_carveout(self) -> int:
+        """SMs this rank's GEMMs leave to its boundary NCCL kernels
+        (``cluster.transport.gemm_sm_carveout``; automatic: ``nccl_max_ctas``
+        per boundary communicator). 0 on CPU, ROCm and ranks without NCCL
+        boundaries."""
+        transport = self.cluster.transport
+        if self.device.type != "cuda" or not self.p2p_groups or torch.version.hip:
+            return 0
+        if transport.gemm_sm_carveout is not None:
+            return transport.gemm_sm_carveout
+        return (transport.nccl_max_ctas or 0) * len(self.p2p_groups)
+
+    def apply_gemm_sm_carveout(self) -> int:
+        """Leave :meth:`gemm_sm_carveout` SMs to the boundary's NCCL kernels on
+        this rank; returns that number.
+
+        torch's carveout reaches cuBLASLt only (the plain cuBLAS path from
+        later torch versions), so GEMMs are routed through cuBLASLt here.
+        The idea of TransformerEngine's SM margin for communication overlap.
+        """
+        carveout = self.gemm_sm_carveout()
+        if carveout == 0:
+            return 0
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if carveout >= sms:
+            raise ConfigError(f"cluster.transport.gemm_sm_carveout={carveout} leaves no SMs of this GPU's "
+                              f"{sms} to the GEMMs")
+        torch._C._set_sm_carveout_experimental(carveout)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        return carveout
+
     def _new_group(self, ranks: list[int], group: GroupConfig, timeout: Optional[timedelta] = None,
                    max_ctas: Optional[int] = None) -> dist.ProcessGroup:
         """A gloo group for CPU ranks; an NCCL (RCCL on ROCm) group for GPU ranks,

@@ -174,6 +174,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     precision = resolve_precision(t.precision, device.type)
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
+    carveout = topo.apply_gemm_sm_carveout()
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
@@ -233,6 +234,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
               f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
               f"layers per stage {layers}, {parallel}, {plan.schedule}, {precision}"
               f"{' (compiled layers)' if t.compile else ' (fused elementwise)' if fused else ''}, "
+              f"{f'GEMMs leave {carveout} SMs to the NCCL boundary, ' if carveout else ''}"
               f"{loader.num_microbatches} microbatches/step per DP rank, {loader.tokens_per_step} tokens/step, "
               f"run dir {run_dir}", flush=True)
 

@@ -37,7 +37,7 @@ def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, shakespear
 
 
 def test_bench_driver_refuses_unknown_variants_and_misplaced_flags(tmp_path):
-    for variant in ("direct+cta2", "nccl+cta0", "nccl+fast", "peer+pure"):
+    for variant in ("direct+cta2", "nccl+cta0", "nccl+fast", "peer+pure", "direct+sm4", "nccl+sm4+sm2"):
         proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(tmp_path),
                                "--variants", variant], cwd=REPO, text=True, capture_output=True, timeout=60)
         assert proc.returncode == 2 and f"unknown variant {variant!r}" in proc.stderr and "+ctaN" in proc.stderr

@@ -186,8 +186,53 @@ def test_nccl_boundary_communicators_are_capped_at_the_configured_ctas(monkeypat
     (_, boundary), (_, other) = made
     assert boundary["backend"] == "nccl" and boundary["pg_options"].config.max_ctas == 4
     assert boundary["timeout"] == timedelta(seconds=5) and "pg_options" not in other
-    assert resolve({"model": {"name": "m"}}).cluster.transport.nccl_max_ctas == 4
+    assert resolve({"model": {"name": "m"}}).cluster.transport.nccl_max_ctas == 2
     assert resolve({"model": {"name": "m"}, "cluster": {"transport": {"nccl_max_ctas": None}}}) \
         .cluster.transport.nccl_max_ctas is None
     with pytest.raises(ConfigError, match="nccl_max_ctas=0"):
         resolve({"model": {"name": "m"}, "cluster": {"transport": {"nccl_max_ctas": 0}}})
+
+
+def test_gemms_leave_sms_to_the_nccl_boundary(monkeypatch):
+    """cluster.transport.gemm_sm_carveout: automatic on NVIDIA ranks with NCCL
+    boundary communicators (max_ctas per communicator), explicit values win,
+    nothing elsewhere; applying it sets torch's carveout and routes GEMMs
+    through cuBLASLt (stubbed: this machine has no GPU)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hetpipe.cluster import TransportConfig
+    from hetpipe.topology import Topology
+
+    def rank(device="cuda", groups=2, **transport):
+        cluster = SimpleNamespace(transport=TransportConfig(**transport))
+        ns = SimpleNamespace(cluster=cluster, device=torch.device(device), p2p_groups=dict.fromkeys(range(groups)))
+        ns.gemm_sm_carveout = lambda: Topology.gemm_sm_carveout(ns)
+        return ns
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    me = rank()
+    assert Topology.gemm_sm_carveout(me) == 2 * 2  # two directions, 2 CTAs each
+    me = rank(groups=4, nccl_max_ctas=1)  # a middle stage
+    assert Topology.gemm_sm_carveout(me) == 4
+    for me, want in ((rank(gemm_sm_carveout=6), 6), (rank(gemm_sm_carveout=0), 0), (rank(nccl_max_ctas=None), 0),
+                     (rank(device="cpu"), 0), (rank(groups=0), 0)):
+        assert Topology.gemm_sm_carveout(me) == want
+    calls = []
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda n: calls.append(("carveout", n)))
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda lib: calls.append(("blas", lib)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    me = rank()
+    assert Topology.apply_gemm_sm_carveout(me) == 4 and calls == [("carveout", 4), ("blas", "cublaslt")]
+    me = rank(gemm_sm_carveout=132)
+    with pytest.raises(ConfigError, match="gemm_sm_carveout=132 leaves no SMs of this GPU's 132"):
+        Topology.apply_gemm_sm_carveout(me)
+    me = rank(device="cpu")
+    calls.clear()
+    assert Topology.apply_gemm_sm_carveout(me) == 0 and calls == []
+    monkeypatch.setattr(torch.version, "hip", "7.0")  # ROCm: hipBLASLt has no SM target in torch
+    me = rank()
+    assert Topology.gemm_sm_carveout(me) == 0
+    with pytest.raises(ConfigError, match="gemm_sm_carveout=-1"):
+        resolve({"model": {"name": "m"}, "cluster": {"transport": {"gemm_sm_carveout": -1}}})
