@@ -107,25 +107,32 @@ def _train(tmp_path, name, data, *overrides):
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows}, proc.stdout
 
 
+def _split_resumed_run_equals_single(tmp_path, data, precision, steps):
+    """A single-process run, and the same run pipelined across the vendor
+    boundary in two halves with a checkpoint between (the resume must rebuild
+    whatever the mode derives from the loaded weights): their per-step losses
+    and gradient norms must be equal. Returns the single run's metrics and
+    output, and the checkpoint written halfway."""
+    single, out = _train(tmp_path, "single", data, f"train.precision={precision}", f"train.train_iters={steps}")
+    ckpt = tmp_path / "ckpt"
+    mixed = [f"train.precision={precision}", "cluster=cpu_mixed", "cluster.transport.kind=tcp",
+             "partition.layers=[1,3]", f"checkpoint.save_dir={ckpt}"]
+    first, _ = _train(tmp_path, "mixed_a", data, *mixed, f"train.train_iters={steps // 2}",
+                      f"checkpoint.save_interval={steps // 2}")
+    second, resumed = _train(tmp_path, "mixed_b", data, *mixed, f"train.train_iters={steps}",
+                             "checkpoint.resume=latest")
+    assert "resumed from" in resumed
+    assert {**first, **second} == single
+    return single, out, ckpt / f"iter_{steps // 2:07d}"
+
+
 def test_bf16_pipeline_across_vendors_equals_single_process_resumes_and_tracks_fp32(
         tmp_path, shakespeare_prefix):
-    single, out = _train(tmp_path, "single", shakespeare_prefix, "train.precision=bf16",
-                         f"train.train_iters={STEPS}")
+    single, out, saved = _split_resumed_run_equals_single(tmp_path, shakespeare_prefix, "bf16", STEPS)
     assert ", bf16," in out  # the banner names the mode the ranks run
-    # Half the run pipelined across the vendor boundary, checkpointed, then resumed:
-    # the working copies must be rebuilt from the loaded fp32 main weights.
-    ckpt = tmp_path / "ckpt"
-    mixed = ["train.precision=bf16", "cluster=cpu_mixed", "cluster.transport.kind=tcp", "partition.layers=[1,3]",
-             f"checkpoint.save_dir={ckpt}"]
-    first, _ = _train(tmp_path, "mixed_a", shakespeare_prefix, *mixed, f"train.train_iters={STEPS // 2}",
-                      f"checkpoint.save_interval={STEPS // 2}")
-    second, out = _train(tmp_path, "mixed_b", shakespeare_prefix, *mixed, f"train.train_iters={STEPS}",
-                         "checkpoint.resume=latest")
-    assert "resumed from" in out
-    assert {**first, **second} == single
     # The checkpoint holds the fp32 main weights.
     from safetensors.torch import load_file
-    shards = list((ckpt / f"iter_{STEPS // 2:07d}").glob("model-*.safetensors"))
+    shards = list(saved.glob("model-*.safetensors"))
     assert shards and all(t.dtype == torch.float32 for s in shards for t in load_file(s).values())
 
     # Data parallel with ZeRO-1: the fused gradients reach the DP reducer's hooks.
@@ -161,20 +168,9 @@ def test_bf16_pure_pipeline_equals_single_process_resumes_and_holds_bf16_state(t
     parity across the vendor boundary and through a resume, and a loss curve
     near bf16 mode's over a short run."""
     steps = STEPS // 2
-    single, out = _train(tmp_path, "single", shakespeare_prefix, "train.precision=bf16-pure",
-                         f"train.train_iters={steps}")
+    single, out, saved = _split_resumed_run_equals_single(tmp_path, shakespeare_prefix, "bf16-pure", steps)
     assert ", bf16-pure," in out and "keeps no fp32 main weights" in out
-    ckpt = tmp_path / "ckpt"
-    mixed = ["train.precision=bf16-pure", "cluster=cpu_mixed", "cluster.transport.kind=tcp",
-             "partition.layers=[1,3]", f"checkpoint.save_dir={ckpt}"]
-    first, _ = _train(tmp_path, "mixed_a", shakespeare_prefix, *mixed, f"train.train_iters={steps // 2}",
-                      f"checkpoint.save_interval={steps // 2}")
-    second, out = _train(tmp_path, "mixed_b", shakespeare_prefix, *mixed, f"train.train_iters={steps}",
-                         "checkpoint.resume=latest")
-    assert "resumed from" in out
-    assert {**first, **second} == single
     from safetensors.torch import load_file
-    saved = ckpt / f"iter_{steps // 2:07d}"
     model = [t for s in saved.glob("model-*.safetensors") for t in load_file(s).values()]
     assert model and all(t.dtype == torch.bfloat16 for t in model)
     moments = [t for s in saved.glob("optim-*.safetensors") for n, t in load_file(s).items() if "exp_avg" in n]
