@@ -16,7 +16,7 @@ from hetpipe.checkpoint.config import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.config import ModelConfig, preset_names
-from hetpipe.models.layers import ATTENTION_BACKENDS
+from hetpipe.models.layers import sdpa_preference
 from hetpipe.precision import PRECISIONS
 from hetpipe.partitioner.solver import PlannerConfig
 
@@ -75,9 +75,7 @@ class TrainConfig:
             raise ConfigError(f"train.profile_step={self.profile_step} must be a step number (1-based)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"train.attention_backend={self.attention_backend!r} must be one of "
-                              f"{', '.join(ATTENTION_BACKENDS)}")
+        sdpa_preference(self.attention_backend)  # raises ConfigError naming the bad value
 
 
 @dataclass

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.config import ModelConfig
@@ -132,8 +133,6 @@ def sdpa_preference(backend: str) -> Optional[tuple]:
         raise ConfigError(f"train.attention_backend={backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
     if backend == "auto":
         return None
-    from torch.nn.attention import SDPBackend
-
     order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     return (order[backend],) + tuple(b for name, b in order.items() if name != backend)
@@ -158,8 +157,6 @@ class Attention(nn.Module):
         gqa = self.num_groups != self.num_heads
         if self.sdpa_backends is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        from torch.nn.attention import sdpa_kernel
-
         # The backward runs the kernel the forward picked (autograd records
         # the backend's own op), so only the forward needs the context.
         with sdpa_kernel(list(self.sdpa_backends), set_priority=True):
