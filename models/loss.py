@@ -37,14 +37,31 @@ import torch
 
 from hetpipe.models.layers import compile_pure
 
-# Budget for one chunk's fp32 logits when chunk_tokens is not given.
+# Budgets for one chunk's logit-sized tensors when chunk_tokens is not given.
+# Eager chunk math keeps fp32 scores (4 bytes per logit); the fused path keeps
+# the low-precision logits and their gradient (2 x 2 bytes) and nothing in
+# fp32, so it affords more tokens per chunk. Few, large chunks matter for
+# speed: every chunk reads and writes the fp32 [V, h] weight-gradient buffer
+# once (2.1 GB each way for LLaMA-3's head), and a chunk's GEMMs run below
+# peak when its token count is small or not a multiple of the GEMM tile.
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+FUSED_CHUNK_BYTES = 2 * 1024 * 1024 * 1024
+CHUNK_ALIGN = 128
 IGNORE_INDEX = -100
 
 
-def auto_chunk_tokens(num_tokens: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits fit ``budget_bytes`` (at least 1)."""
-    return max(1, min(num_tokens, budget_bytes // (vocab_size * 4)))
+def auto_chunk_tokens(num_tokens: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES,
+                      bytes_per_logit: int = 4) -> int:
+    """Tokens per chunk: as few chunks as keep one chunk's ``vocab_size x
+    bytes_per_logit`` bytes per token within ``budget_bytes``, of equal size
+    rounded up to a multiple of 128 tokens (the GEMM tile) when the chunk is
+    larger than that. At least 1, at most ``num_tokens``."""
+    limit = max(1, budget_bytes // (vocab_size * bytes_per_logit))
+    chunks = max(1, -(-num_tokens // limit))
+    size = -(-num_tokens // chunks)
+    if size > CHUNK_ALIGN:
+        size = -(-size // CHUNK_ALIGN) * CHUNK_ALIGN
+    return max(1, min(num_tokens, size))
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -96,8 +113,10 @@ def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Probe once per (device type, dtype): ``torch.addmm(acc_fp32, a, b,
     out_dtype=float32, out=acc_fp32)`` with bf16/fp16 ``a``, ``b`` accumulates
     into the fp32 buffer inside the GEMM's epilogue, with no low-precision
-    [V, h] temporary. Older torch builds lack the overload or refuse an fp32
-    ``self``; any error, or a result not exact to fp32, means no."""
+    [V, h] temporary, and with ``beta=0`` overwrites it without reading it
+    (NaN left in the buffer must not show). Older torch builds lack the
+    overload or refuse an fp32 ``self``; any error, or a result not exact to
+    fp32, means no."""
     key = (device.type, dtype)
     if key not in _FP32_OUT_ADDMM:
         ok = False
@@ -107,22 +126,32 @@ def _fp32_out_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
                 # every product sum exact in fp32, so a right answer is exact.
                 a = ((torch.arange(8 * 24, device=device).reshape(8, 24) % 7) - 3).to(dtype) / 4
                 b = ((torch.arange(8 * 16, device=device).reshape(8, 16) % 5) - 2).to(dtype) / 8
+                product = a.t().float() @ b.float()
                 acc = torch.full((24, 16), 0.1, dtype=torch.float32, device=device)
-                expected = acc + a.t().float() @ b.float()
+                expected = acc + product
                 torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
                 ok = bool(torch.allclose(acc, expected, rtol=1e-6, atol=1e-7))
+                acc.fill_(float("nan"))
+                torch.addmm(acc, a.t(), b, beta=0, out_dtype=torch.float32, out=acc)
+                ok = ok and bool(torch.equal(acc, product))
             except (TypeError, RuntimeError, NotImplementedError):
                 ok = False
         _FP32_OUT_ADDMM[key] = ok
     return _FP32_OUT_ADDMM[key]
 
 
-def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, for a and b in fp32 or a low-precision dtype."""
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool = False) -> None:
+    """acc (fp32) += a @ b, for a and b in fp32 or a low-precision dtype;
+    ``overwrite``: acc = a @ b, without reading acc (it may hold garbage)."""
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
+        if overwrite:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
     elif _fp32_out_addmm_works(acc.device, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, beta=0 if overwrite else 1, out_dtype=torch.float32, out=acc)
+    elif overwrite:
+        acc.copy_(a @ b)
     else:
         # The GEMM accumulates in fp32 internally; its [V, h] result is
         # rounded once, and the sum over chunks stays fp32.
@@ -162,7 +191,9 @@ def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     grad_hidden = torch.empty_like(hidden) if want_hidden_grad else None
     grad_weight = None
     if want_weight_grad:
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # The first chunk's GEMM overwrites it (no zero-fill, no read).
+        alloc = torch.empty if num_tokens else torch.zeros
+        grad_weight = alloc(weight.shape, dtype=torch.float32, device=weight.device)
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
 
     for start in range(0, num_tokens, chunk_tokens):
@@ -180,9 +211,12 @@ def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         if grad_logits is None:
             continue
         if grad_hidden is not None:
-            grad_hidden[start:stop] = grad_logits @ w
+            if grad_hidden.dtype == grad_logits.dtype:
+                torch.mm(grad_logits, w, out=grad_hidden[start:stop])  # contiguous rows: written in place
+            else:
+                grad_hidden[start:stop] = grad_logits @ w
         if grad_weight is not None:
-            _accumulate_fp32(grad_weight, grad_logits.t(), h)
+            _accumulate_fp32(grad_weight, grad_logits.t(), h, overwrite=start == 0)
         del grad_logits
 
     loss = loss_sum / count
@@ -219,8 +253,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     Equals ``F.cross_entropy(F.linear(hidden, weight).float(), labels,
     ignore_index=ignore_index)`` (mean over the non-ignored tokens; NaN if all
     are ignored) without materialising the [N, V] logits: tokens go through in
-    chunks of ``chunk_tokens`` (default: as many as keep one chunk's fp32
-    logits within 256 MiB). ``compute_dtype`` is the dtype of the logit GEMMs
+    chunks of ``chunk_tokens`` (default: equal chunks, multiples of 128 tokens,
+    as few as keep one chunk's fp32 logits within 256 MiB, or, on the fused
+    path, its low-precision logits and their gradient within 2 GiB). ``compute_dtype`` is the dtype of the logit GEMMs
     (default: ``hidden``'s); the function runs with autocast disabled, so the
     caller chooses it (see ``Head.forward``). Gradients come back in the dtypes
     of ``hidden`` and ``weight``. ``fused`` computes each chunk's loss and
@@ -231,12 +266,16 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden size {hidden.shape[1]} != weight's {weight.shape[1]}")
-    if chunk_tokens is None:
-        chunk_tokens = auto_chunk_tokens(hidden.shape[0], weight.shape[0])
-    if chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens={chunk_tokens} must be positive")
     compute_dtype = compute_dtype or hidden.dtype
     grad_on = torch.is_grad_enabled()
+    if chunk_tokens is None:
+        if fused and grad_on and (hidden.requires_grad or weight.requires_grad):
+            chunk_tokens = auto_chunk_tokens(hidden.shape[0], weight.shape[0], FUSED_CHUNK_BYTES,
+                                             2 * compute_dtype.itemsize)
+        else:
+            chunk_tokens = auto_chunk_tokens(hidden.shape[0], weight.shape[0])
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be positive")
     return FusedLinearCrossEntropy.apply(
         hidden, weight, labels, int(chunk_tokens), compute_dtype, int(ignore_index),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad, fused)

@@ -51,6 +51,8 @@ class Head(nn.Module):
 
     # Set per instance by fuse_elementwise(): the loss's chunk math compiled.
     fused = False
+    # Tokens per loss chunk; None: hetpipe.models.loss picks them (benchmarks set it).
+    chunk_tokens: Optional[int] = None
 
     def __init__(self, cfg: ModelConfig, tied_embedding: Optional[Embedding] = None) -> None:
         super().__init__()
@@ -83,7 +85,8 @@ class Head(nn.Module):
         else:
             compute_dtype = h.dtype
         return fused_linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
-                                          compute_dtype=compute_dtype, fused=self.fused)
+                                          chunk_tokens=self.chunk_tokens, compute_dtype=compute_dtype,
+                                          fused=self.fused)
 
 
 class CausalLM(nn.Module):

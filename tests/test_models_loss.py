@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from hetpipe.models import ModelConfig, build_model
-from hetpipe.models.loss import auto_chunk_tokens, fused_linear_cross_entropy
+from hetpipe.models.loss import FUSED_CHUNK_BYTES, auto_chunk_tokens, fused_linear_cross_entropy
 
 
 def _close(got, ref, rel=1e-6):
@@ -129,9 +129,26 @@ def test_bf16_compute_dtype_with_fp32_inputs():
 
 
 def test_auto_chunk_size():
-    assert auto_chunk_tokens(8192, 128256) == 523          # 256 MiB of fp32 logits per chunk
+    # 256 MiB of fp32 logits allow 523 tokens: 16 equal chunks of 512.
+    assert auto_chunk_tokens(8192, 128256) == 512
+    # Two chunks of 500 tokens, rounded up to the 128-token GEMM tile.
+    assert auto_chunk_tokens(1000, 128256) == 512
+    # The fused path's 2 GiB of bf16 logits and gradients: two chunks at seq 8192, one at 4096.
+    assert auto_chunk_tokens(8192, 128256, FUSED_CHUNK_BYTES, 4) == 4096
+    assert auto_chunk_tokens(4096, 128256, FUSED_CHUNK_BYTES, 4) == 4096
     assert auto_chunk_tokens(4096, 512) == 4096            # a tiny model: one chunk
+    assert auto_chunk_tokens(100, 10**9) == 1              # small chunks stay unrounded
     assert auto_chunk_tokens(10, 10**12) == 1
+
+
+def test_no_tokens_gives_zero_weight_grad():
+    """The weight-gradient buffer is written by the first chunk's GEMM; with no
+    chunk at all it must still be zeros, not uninitialised memory."""
+    hidden, weight, labels = _inputs(n=0)
+    loss = fused_linear_cross_entropy(hidden, weight, labels)
+    assert torch.isnan(loss)                               # like F.cross_entropy on nothing
+    loss.backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
 
 
 def test_model_loss_matches_plain_head_fp32():
