@@ -18,7 +18,8 @@ the SDPA backend the layers prefer (train.attention_backend; without a suffix,
 torch's own choice). ``--unit head`` times the output head instead (final
 norm, logits and the chunked cross-entropy with its gradients; Megatron's
 logits FLOPs): ``eager`` is the eager loss, ``fused`` the compiled per-chunk
-loss (what train.fuse_elementwise switches on there).
+loss (what train.fuse_elementwise switches on there); a ``+chunkN`` suffix
+sets the loss's tokens per chunk (default: hetpipe.models.loss's choice).
 
 Prints, per variant: the first iteration's time (kernel loading and
 compilation), milliseconds per layer and microbatch, TFLOP/s by Megatron's
@@ -30,13 +31,14 @@ TORCH_LOGS=recompiles,graph_breaks to see why dynamo recompiles.
 
   python scripts/bench_layer.py --model llama8b --seq-length 8192 --layers 4 --variants eager,fused,compile
   python scripts/bench_layer.py --model llama8b --variants fused,fused+cudnn,fused+flash
-  python scripts/bench_layer.py --model llama8b --unit head --variants eager,fused
+  python scripts/bench_layer.py --model llama8b --unit head --variants eager,fused,fused+chunk523
 """
 from __future__ import annotations
 
 import argparse
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -62,10 +64,17 @@ def head_flops(cfg, seq_length: int) -> float:
     return 6.0 * seq_length * cfg.hidden_size * cfg.vocab_size
 
 
-def split_variant(variant: str) -> tuple[str, str]:
-    """``fused+cudnn`` -> ("fused", "cudnn"); no suffix -> torch's own backend."""
-    kind, _, backend = variant.partition("+")
-    return kind, backend or "auto"
+def split_variant(variant: str) -> tuple[str, str, Optional[int]]:
+    """``fused+cudnn+chunk512`` -> ("fused", "cudnn", 512); no backend suffix ->
+    torch's own backend; no chunk suffix -> the loss's own chunk size (None)."""
+    kind, *suffixes = variant.split("+")
+    backend, chunk = "auto", None
+    for suffix in suffixes:
+        if suffix.startswith("chunk") and suffix[5:].isdigit() and int(suffix[5:]) > 0:
+            chunk = int(suffix[5:])
+        else:
+            backend = suffix
+    return kind, backend, chunk
 
 
 def run_variant(args, cfg, variant: str) -> dict:
@@ -73,11 +82,13 @@ def run_variant(args, cfg, variant: str) -> dict:
 
     torch._dynamo.reset()
     torch.cuda.reset_peak_memory_stats()
-    kind, backend = split_variant(variant)
+    kind, backend, chunk_tokens = split_variant(variant)
     head = args.unit == "head"
     units = (cfg.num_units - 1, cfg.num_units) if head else (1, 1 + args.layers)
     chunk = build_model(cfg, seed=1, units=units, device="cuda")
     set_attention_backend(chunk, backend)
+    if head:
+        chunk.head.chunk_tokens = chunk_tokens
     if kind == "fused":
         fuse_elementwise(chunk)
     if kind == "compile":
@@ -141,10 +152,12 @@ def main() -> None:
     variants = args.variants.split(",")
     unknown = [v for v in variants if split_variant(v)[0] not in VARIANTS
                or split_variant(v)[1] not in ATTENTION_BACKENDS
-               or (args.unit == "head" and split_variant(v)[0] == "compile")]
+               or (args.unit == "head" and split_variant(v)[0] == "compile")
+               or (args.unit != "head" and split_variant(v)[2] is not None)]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)} (not compile with "
-                     f"--unit head), each optionally +BACKEND with BACKEND one of {', '.join(ATTENTION_BACKENDS[1:])}")
+                     f"--unit head), each optionally +BACKEND with BACKEND one of {', '.join(ATTENTION_BACKENDS[1:])}"
+                     f" and, with --unit head, +chunkN (N tokens per loss chunk)")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA (or ROCm) GPU")
     cfg = model_preset(args.model)
