@@ -27,6 +27,8 @@ def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, shakespear
     plan = (out / "tcp4_zero1_pure" / "plan.yaml").read_text()
     config = (out / "tcp4_zero1_pure" / "config.yaml").read_text()
     assert "dp: 2" in plan and "distributed: true" in config and "precision: bf16-pure" in config
+    # The benchmark's optimizer schedule (shared with the peer): a long warmup, as a real run starts.
+    assert "lr_warmup_iters: 2000" in config
     # ...and the cost model predicted that plan's step.
     assert pp_dp["predicted_step_s"] > 0
     # TP2 in the first group only: three stages; the planner cannot express per-group TP.
