@@ -26,9 +26,9 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.config import PartitionConfig, TrainConfig, register_configs, resolve
+from hetpipe.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
 from hetpipe.errors import ConfigError, run_cli
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.solver import PlannerConfig, Solution, solve
 
 MODES = ("plan", "profile")

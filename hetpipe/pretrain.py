@@ -1,7 +1,7 @@
 """``python -m hetpipe.pretrain +model=NAME [overrides]``: the pretraining entry point.
 
 Hydra composes ``configs/pretrain.yaml`` with the chosen model preset and any
-overrides, checks them against the structured schemas in ``hetpipe.config``,
+overrides, checks them against the structured schemas in ``hetpipe.pretrain_config``,
 and hands the result to the trainer. ``--cfg job`` prints the composed config
 without building anything; ``-m`` sweeps (hydra multirun). Problems with the
 input end in one ``hetpipe: error:`` line and exit status 2.
@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from hetpipe.config import register_configs, resolve
+from hetpipe.pretrain_config import register_configs, resolve
 from hetpipe.errors import run_cli
 
 register_configs()

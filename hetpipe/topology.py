@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.vendor import detect_vendor
 from hetpipe.errors import ConfigError
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.plan import Plan, StagePlan, even_split
 
 if TYPE_CHECKING:

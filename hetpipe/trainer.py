@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from hetpipe.checkpoint import restore, save_checkpoint, should_save
 from hetpipe.comm.vendor import accelerator_name, detect_vendor
-from hetpipe.config import OptimizerConfig, PretrainConfig, resolve
+from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads

@@ -15,7 +15,7 @@ head size d, SwiGLU hidden f and vocabulary V.
 """
 from __future__ import annotations
 
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 
 
 def megatron_model_flops(cfg: ModelConfig, batch_size: int, seq_length: int) -> float:

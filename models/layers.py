@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inverse_frequencies
 from hetpipe.models.loss import fused_linear_cross_entropy
 

@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.catalog import DeviceSpec
 
 GIB = float(1 << 30)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 
 PROFILE_FORMAT = "hetpipe-profile/1"
 UNIT_KINDS = ("embedding", "layer", "head")

@@ -37,7 +37,7 @@ import numpy as np
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.partitioner import cost
 from hetpipe.partitioner.catalog import DeviceSpec, catalog_with, detect_device_type, device_spec
@@ -45,7 +45,7 @@ from hetpipe.partitioner.plan import Plan, StagePlan
 from hetpipe.partitioner.profile import find_entry, load_profile, profile_shape
 
 if TYPE_CHECKING:
-    from hetpipe.config import TrainConfig
+    from hetpipe.pretrain_config import TrainConfig
 
 TRANSPORT_MODELS = ("auto", "direct", "cpu_forwarding")
 INF = math.inf

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from hetpipe.models import build_model
-from hetpipe.models.config import model_preset
+from hetpipe.models.model_config import model_preset
 from hetpipe.models.layers import ATTENTION_BACKENDS, fuse_elementwise, set_attention_backend
 from hetpipe.precision import Bf16Weights
 from hetpipe.profiling import profile_step

@@ -142,7 +142,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace):
-    from hetpipe.models.config import model_preset
+    from hetpipe.models.model_config import model_preset
 
     cfg = model_preset(args.model, **_parse_assignments(args.set, "--set"))
     if args.seq_length > cfg.max_position_embeddings:
@@ -152,7 +152,7 @@ def model_config(args: argparse.Namespace):
 
 
 def optimizer_config(args: argparse.Namespace):
-    from hetpipe.config import OptimizerConfig
+    from hetpipe.pretrain_config import OptimizerConfig
 
     overrides = _parse_assignments(args.opt, "--opt")
     unknown = set(overrides) - {f.name for f in dataclasses.fields(OptimizerConfig)}

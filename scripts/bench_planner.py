@@ -19,7 +19,7 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 
 from hetpipe.cluster import ClusterConfig, GroupConfig  # noqa: E402
-from hetpipe.config import TrainConfig  # noqa: E402
+from hetpipe.pretrain_config import TrainConfig  # noqa: E402
 from hetpipe.models import model_preset  # noqa: E402
 from hetpipe.partitioner.solver import PlannerConfig, solve  # noqa: E402
 

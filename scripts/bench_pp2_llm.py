@@ -104,7 +104,7 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
 
     from omegaconf import OmegaConf
 
-    from hetpipe.config import resolve
+    from hetpipe.pretrain_config import resolve
     from hetpipe.errors import HetpipeError
     from hetpipe.partitioner.plan import Plan
     from hetpipe.partitioner.solver import solve

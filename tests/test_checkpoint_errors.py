@@ -14,7 +14,7 @@ import torch
 import hetpipe.checkpoint.save as save_module
 from hetpipe.checkpoint import (CheckpointConfig, CheckpointError, latest_checkpoint, load_checkpoint,
                                 restore, save_checkpoint)
-from hetpipe.config import OptimizerConfig
+from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.models import build_model, model_preset
 from hetpipe.trainer import build_optimizer
 

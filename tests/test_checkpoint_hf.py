@@ -9,7 +9,7 @@ import torch
 
 from conftest import run_cli
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_hf_weights, restore, save_checkpoint
-from hetpipe.config import OptimizerConfig
+from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.export import export_hf
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.hf import to_hf_config

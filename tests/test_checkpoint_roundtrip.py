@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from hetpipe.checkpoint import (CheckpointConfig, latest_checkpoint, load_checkpoint, restore,
                                 save_checkpoint, should_save)
-from hetpipe.config import OptimizerConfig
+from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.data import IndexedDatasetWriter, MicrobatchLoader
 from hetpipe.gradients import GradNormClipper
 from hetpipe.models import build_model, model_preset
@@ -259,7 +259,7 @@ def test_should_save_and_fresh_start(tmp_path, data_prefix, capsys):
 RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from hetpipe.checkpoint import CheckpointConfig, save_checkpoint
-from hetpipe.config import OptimizerConfig
+from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.models import build_model, model_preset
 from hetpipe.trainer import build_optimizer
 dist.init_process_group("gloo")

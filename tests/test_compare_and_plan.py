@@ -5,7 +5,7 @@ import pytest
 
 from conftest import run_cli
 from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe.config import PartitionConfig
+from hetpipe.pretrain_config import PartitionConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner.plan import Plan, even_split

@@ -3,7 +3,7 @@ import torch
 
 from hetpipe.engine import PipelineEngine
 from hetpipe.models import build_model
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.schedules import build_schedule
 
 

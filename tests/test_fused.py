@@ -11,8 +11,8 @@ from conftest import run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models import layers as layers_mod
-from hetpipe.models.config import model_preset
-from hetpipe.config import TrainConfig
+from hetpipe.models.model_config import model_preset
+from hetpipe.pretrain_config import TrainConfig
 from hetpipe.models.layers import (Attention, DecoderLayer, RMSNorm, SwiGLU, fuse_elementwise, fuses_elementwise,
                                    sdpa_preference, set_attention_backend)
 from hetpipe.partitioner.catalog import CATALOG

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hetpipe.cluster import ClusterConfig, GroupConfig, TransportConfig
-from hetpipe.config import TrainConfig
+from hetpipe.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner import solver

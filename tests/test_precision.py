@@ -13,7 +13,7 @@ import torch
 from conftest import run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.precision import Bf16Weights, cast_parameters, resolve_precision
 
 pytestmark = pytest.mark.timeout(300)

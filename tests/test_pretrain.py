@@ -5,7 +5,7 @@ import math
 import pytest
 
 from conftest import run_cli
-from hetpipe.config import OptimizerConfig, resolve
+from hetpipe.pretrain_config import OptimizerConfig, resolve
 from hetpipe.errors import ConfigError
 from hetpipe.trainer import lr_at, train
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hetpipe.config import TrainConfig
+from hetpipe.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
 from hetpipe.profiling import kernel_class, profile_step, write_report
 

@@ -11,7 +11,7 @@ tensors. Nothing is pickled. The directory layout is described in
 The trainer uses :func:`restore` before its step loop and
 :func:`save_checkpoint` when :func:`should_save` says so.
 """
-from hetpipe.checkpoint.config import CheckpointConfig, resolve_save_dir, should_save
+from hetpipe.checkpoint.settings import CheckpointConfig, resolve_save_dir, should_save
 from hetpipe.checkpoint.hf_import import load_hf_weights
 from hetpipe.checkpoint.layout import latest_checkpoint, resolve_checkpoint
 from hetpipe.checkpoint.load import LoadedCheckpoint, load_checkpoint, restore

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from hetpipe.checkpoint.compat import check_model_fits
-from hetpipe.checkpoint.config import CheckpointConfig, resolve_save_dir
+from hetpipe.checkpoint.settings import CheckpointConfig, resolve_save_dir
 from hetpipe.checkpoint.hf_import import load_hf_weights
 from hetpipe.checkpoint.layout import (TRAINER_STATE, incomplete_checkpoints, latest_checkpoint,
                                        resolve_checkpoint, rng_file)

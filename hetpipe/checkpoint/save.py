@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from hetpipe.checkpoint.config import CheckpointConfig, resolve_save_dir
+from hetpipe.checkpoint.settings import CheckpointConfig, resolve_save_dir
 from hetpipe.checkpoint.layout import (TRAINER_STATE, commit, fsync_path, iter_dir_name, model_file,
                                        optim_file, part_file, prune, rng_file, tmp_dir_name)
 from hetpipe.checkpoint.manifest import FORMAT, MANIFEST, VERSION, CheckpointError, file_record

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.config import ModelConfig
+from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.layers import Attention, RMSNorm, SwiGLU
 from hetpipe.models.transformer import CausalLM, Embedding, Head, rope_cos_sin
 

@@ -12,10 +12,10 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from hetpipe.checkpoint.config import CheckpointConfig
+from hetpipe.checkpoint.settings import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
-from hetpipe.models.config import ModelConfig, preset_names
+from hetpipe.models.model_config import ModelConfig, preset_names
 from hetpipe.models.layers import sdpa_preference
 from hetpipe.precision import PRECISIONS
 from hetpipe.partitioner.solver import PlannerConfig

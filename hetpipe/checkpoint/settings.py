@@ -1,7 +1,7 @@
 """The ``checkpoint`` config group: where checkpoints go, how often, and what
 a run starts from.
 
-A plain dataclass, free of hydra, so that ``hetpipe.config`` can make it the
+A plain dataclass, free of hydra, so that ``hetpipe.pretrain_config`` can make it the
 ``checkpoint`` group's schema; the trainer calls :func:`should_save` and
 :func:`resolve_save_dir` instead of re-deriving the rules.
 """
