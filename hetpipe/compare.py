@@ -195,7 +195,7 @@ def plot_curves(runs: list[Run], rtol: float, ok: bool, path: Path) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise HetpipeError("writing a plot needs the matplotlib package (pip install matplotlib)") from None
+        raise HetpipeError("writing a plot needs the matplotlib package: pip install 'hetpipe[plot]'") from None
     fig = Figure(figsize=(8, 6.5), layout="constrained")
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])

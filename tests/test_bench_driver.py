@@ -11,13 +11,13 @@ from conftest import REPO
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, shakespeare_prefix):
+def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, corpus_prefix):
     out = tmp_path / "bench"
     cpu = ["--set", "cluster.groups.0.device_type=CPU", "--set", "cluster.groups.1.device_type=CPU",
            "--set", "model.hidden_size=64", "--set", "model.ffn_hidden_size=160"]
     proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(out), "--gpus", "4",
                            "--model", "tiny_llama", "--seq-length", "32", "--microbatches", "4", "--layers", "2,2",
-                           "--steps", "3", "--data", shakespeare_prefix, "--variants", "tcp4+zero1+pure,tp2", *cpu],
+                           "--steps", "3", "--data", corpus_prefix, "--variants", "tcp4+zero1+pure,tp2", *cpu],
                           cwd=REPO, text=True, capture_output=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())["results"]

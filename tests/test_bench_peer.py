@@ -36,21 +36,21 @@ def _peer(tmp_path, data, *extra, name="peer", env=None):
 
 
 @pytest.fixture(scope="module")
-def ours(tmp_path_factory, shakespeare_prefix):
+def ours(tmp_path_factory, corpus_prefix):
     run_dir = tmp_path_factory.mktemp("ours") / "single"
     global_batch = SHAPE["micro_batch_size"] * SHAPE["microbatches"]
     proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", *(f"model.{kv}" for kv in MODEL),
                     f"train.train_iters={STEPS}", f"train.seq_length={SHAPE['seq_length']}",
                     f"train.micro_batch_size={SHAPE['micro_batch_size']}", f"train.global_batch_size={global_batch}",
                     "train.log_interval=1", *(f"optimizer.{kv}" for kv in OPT), "cluster.groups.0.device_type=CPU",
-                    "logging.progress=false", f"data.path={shakespeare_prefix}", f"hydra.run.dir={run_dir}"])
+                    "logging.progress=false", f"data.path={corpus_prefix}", f"hydra.run.dir={run_dir}"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
 
 
-def test_peer_losses_match_our_trainer(tmp_path, shakespeare_prefix, ours):
-    result, lines = _peer(tmp_path, shakespeare_prefix)
+def test_peer_losses_match_our_trainer(tmp_path, corpus_prefix, ours):
+    result, lines = _peer(tmp_path, corpus_prefix)
     losses, norms = ours
     assert result["name"] == "pipelining_1f1b" and result["status"] == "ok"
     assert len(result["losses"]) == STEPS
@@ -71,17 +71,17 @@ def test_peer_losses_match_our_trainer(tmp_path, shakespeare_prefix, ours):
     assert result["peak_mem_gib"] == [None, None]  # no CUDA memory on a CPU
 
 
-def test_head_in_loss_fused_ce_trains_the_same(tmp_path, shakespeare_prefix, ours):
-    result, _ = _peer(tmp_path, shakespeare_prefix, "--head-in-loss", "--fused-ce", "--no-return-outputs",
+def test_head_in_loss_fused_ce_trains_the_same(tmp_path, corpus_prefix, ours):
+    result, _ = _peer(tmp_path, corpus_prefix, "--head-in-loss", "--fused-ce", "--no-return-outputs",
                       name="head_in_loss")
     assert result["head"] == "loss_fn-fused" and result["return_outputs"] is False
     assert result["losses"] == pytest.approx(ours[0], rel=1e-5)
 
 
-def test_out_of_memory_is_a_result(tmp_path, shakespeare_prefix):
+def test_out_of_memory_is_a_result(tmp_path, corpus_prefix):
     # The test hook raises CUDA's OutOfMemoryError in rank 1's forward at step
     # 2; rank 0, blocked on it, is ended and the run reports "oom".
-    result, lines = _peer(tmp_path, shakespeare_prefix, name="oom", env={"BENCH_PEER_FAKE_OOM": "1,2"})
+    result, lines = _peer(tmp_path, corpus_prefix, name="oom", env={"BENCH_PEER_FAKE_OOM": "1,2"})
     assert result["status"] == "oom"
     assert result["oom"]["rank"] == 1 and result["oom"]["step"] == 2
     assert "out of memory" in result["oom"]["error"]

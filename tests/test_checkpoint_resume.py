@@ -20,26 +20,26 @@ def _losses(tmp_path, name, data, *overrides):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, shakespeare_prefix):
-    return _losses(tmp_path_factory.mktemp("ref"), "ref", shakespeare_prefix, "train.train_iters=8")[0]
+def reference(tmp_path_factory, corpus_prefix):
+    return _losses(tmp_path_factory.mktemp("ref"), "ref", corpus_prefix, "train.train_iters=8")[0]
 
 
-def test_resume_continues_bitwise(tmp_path, shakespeare_prefix, reference):
+def test_resume_continues_bitwise(tmp_path, corpus_prefix, reference):
     ckpt = tmp_path / "ckpt"
-    first, _ = _losses(tmp_path, "a", shakespeare_prefix, "train.train_iters=4",
+    first, _ = _losses(tmp_path, "a", corpus_prefix, "train.train_iters=4",
                        f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=4")
-    second, out = _losses(tmp_path, "b", shakespeare_prefix, "train.train_iters=8",
+    second, out = _losses(tmp_path, "b", corpus_prefix, "train.train_iters=8",
                           f"checkpoint.save_dir={ckpt}", "checkpoint.resume=latest")
     assert "resumed from" in out
     assert sorted(second) == [5, 6, 7, 8]
     assert {**first, **second} == reference
 
 
-def test_reshard_to_another_split_and_export(tmp_path, shakespeare_prefix, reference):
+def test_reshard_to_another_split_and_export(tmp_path, corpus_prefix, reference):
     ckpt = tmp_path / "ckpt"
-    _losses(tmp_path, "a", shakespeare_prefix, "cluster=cpu_mixed", "partition.layers=[2,2]",
+    _losses(tmp_path, "a", corpus_prefix, "cluster=cpu_mixed", "partition.layers=[2,2]",
             "train.train_iters=4", f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=4")
-    resumed, _ = _losses(tmp_path, "b", shakespeare_prefix, "cluster=cpu_mixed", "partition.layers=[3,1]",
+    resumed, _ = _losses(tmp_path, "b", corpus_prefix, "cluster=cpu_mixed", "partition.layers=[3,1]",
                          "train.train_iters=8", f"checkpoint.save_dir={ckpt}", "checkpoint.resume=latest")
     for step in (5, 6, 7, 8):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6)
@@ -55,24 +55,24 @@ def test_reshard_to_another_split_and_export(tmp_path, shakespeare_prefix, refer
 
     # The exported directory seeds a continued-pretraining run on another split:
     # its first loss is that of the trained weights, not of a fresh init.
-    seeded, _ = _losses(tmp_path, "seeded", shakespeare_prefix, "cluster=cpu_mixed", "partition.layers=[1,3]",
+    seeded, _ = _losses(tmp_path, "seeded", corpus_prefix, "cluster=cpu_mixed", "partition.layers=[1,3]",
                         "train.train_iters=1", f"checkpoint.load_hf={out}")
     assert seeded[1] < reference[1] - 0.5
     # The same weights cut into tensor-parallel shards give the same loss.
-    seeded_tp, _ = _losses(tmp_path, "seeded_tp", shakespeare_prefix, "cluster=cpu_homogeneous", "partition.tp=2",
+    seeded_tp, _ = _losses(tmp_path, "seeded_tp", corpus_prefix, "cluster=cpu_homogeneous", "partition.tp=2",
                            "train.train_iters=1", f"checkpoint.load_hf={out}")
     assert seeded_tp[1] == pytest.approx(seeded[1], rel=1e-5)
 
 
-def test_corrupted_checkpoint_is_refused_by_name(tmp_path, shakespeare_prefix):
+def test_corrupted_checkpoint_is_refused_by_name(tmp_path, corpus_prefix):
     ckpt = tmp_path / "ckpt"
-    _losses(tmp_path, "a", shakespeare_prefix, "train.train_iters=2", f"checkpoint.save_dir={ckpt}",
+    _losses(tmp_path, "a", corpus_prefix, "train.train_iters=2", f"checkpoint.save_dir={ckpt}",
             "checkpoint.save_interval=2")
     shard = next((ckpt / "iter_0000002").glob("model-*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={shakespeare_prefix}",
+    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={corpus_prefix}",
                     f"hydra.run.dir={tmp_path / 'b'}", "train.train_iters=4",
                     f"checkpoint.save_dir={ckpt}", "checkpoint.resume=latest"])
     assert proc.returncode == 2
@@ -80,16 +80,16 @@ def test_corrupted_checkpoint_is_refused_by_name(tmp_path, shakespeare_prefix):
     assert shard.name in proc.stderr
 
 
-def test_plan_auto_and_plan_file(tmp_path, shakespeare_prefix):
-    _, out = _losses(tmp_path, "auto", shakespeare_prefix, "cluster=cpu_mixed", "plan=auto",
+def test_plan_auto_and_plan_file(tmp_path, corpus_prefix):
+    _, out = _losses(tmp_path, "auto", corpus_prefix, "cluster=cpu_mixed", "plan=auto",
                      "train.train_iters=2", "model.num_layers=6")
     plan = (tmp_path / "auto" / "plan.yaml").read_text()
     assert "python -m hetpipe.plan" in plan  # the planner's notes came along
     # The same plan, read back from its file, runs too.
-    _losses(tmp_path, "file", shakespeare_prefix, "cluster=cpu_mixed", f"plan={tmp_path / 'auto' / 'plan.yaml'}",
+    _losses(tmp_path, "file", corpus_prefix, "cluster=cpu_mixed", f"plan={tmp_path / 'auto' / 'plan.yaml'}",
             "train.train_iters=2", "model.num_layers=6")
     bad = tmp_path / "tp2.yaml"
     bad.write_text(plan.replace("tp: 1", "tp: 2", 1))
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={shakespeare_prefix}", "cluster=cpu_mixed",
+    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={corpus_prefix}", "cluster=cpu_mixed",
                     "model.num_layers=6", f"plan={bad}", f"hydra.run.dir={tmp_path / 'bad'}"])
     assert proc.returncode == 2 and "TP2" in proc.stderr and "Traceback" not in proc.stderr

@@ -140,6 +140,20 @@ def test_wandb_offline_run_without_the_wandb_package_is_one_clear_line(tmp_path)
     assert f"hetpipe: error: {offline}: reading wandb runs needs the wandb package" in proc.stderr
 
 
+@pytest.mark.timeout(60)
+def test_plot_without_matplotlib_names_the_extra_and_keeps_the_report(tmp_path):
+    # matplotlib is the optional [plot] extra: comparing works without it,
+    # and asking for the figure says which extra to install.
+    good = _run(tmp_path, "good", [5.0, 4.0])
+    same = _run(tmp_path, "same", [5.0, 4.0])
+    code = ("import sys; sys.modules['matplotlib'] = None; from hetpipe.compare import main; "
+            f"sys.exit(main([{str(good)!r}, {str(same)!r}, '--out', {str(tmp_path / 'report')!r}]))")
+    proc = run_cli(["-c", code])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "hetpipe: error: writing a plot needs the matplotlib package: pip install 'hetpipe[plot]'" in proc.stderr
+    assert (tmp_path / "report" / "compare.md").is_file()
+
+
 def _frame(payloads):
     """A .wandb log in LevelDB's log framing, written as the wandb writer does."""
     out = bytearray(b":W&B\xe1\xbe\x00")
@@ -219,9 +233,9 @@ def _parity(out, data):
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory, shakespeare_prefix):
+def parity(tmp_path_factory, corpus_prefix):
     out = tmp_path_factory.mktemp("parity")
-    return out, _parity(out, shakespeare_prefix)
+    return out, _parity(out, corpus_prefix)
 
 
 @pytest.mark.timeout(240)

@@ -18,7 +18,6 @@ from hetpipe.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from hetpipe.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
 EOS = "<|endoftext|>"
 
 DOCS = ["First Citizen:\nBefore we proceed any further, hear me speak.", "", "héllo wörld ✓", "x"]
@@ -45,14 +44,13 @@ def byte_stream(docs: list[str]) -> list[int]:
     return [t for d in docs if d for t in list(d.encode("utf-8")) + [256]]
 
 
-def shakespeare_lines(count: int) -> list[str]:
-    if not SHAKESPEARE.exists():
-        pytest.skip(f"shared corpus {SHAKESPEARE} not present")
-    return [line for line in SHAKESPEARE.read_text().splitlines() if line][:count]
+def corpus_lines(corpus: Path, count: int) -> list[str]:
+    """The first ``count`` non-empty lines of the test corpus (conftest's ``corpus_text``)."""
+    return [line for line in corpus.read_text().splitlines() if line][:count]
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer_dir(tmp_path_factory) -> tuple[Path, object]:
+def hf_tokenizer_dir(tmp_path_factory, corpus_text) -> tuple[Path, object]:
     """A tiny byte-level BPE trained here, saved as a transformers tokenizer directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -66,7 +64,7 @@ def hf_tokenizer_dir(tmp_path_factory) -> tuple[Path, object]:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    backend.train_from_iterator(shakespeare_lines(400), trainer)
+    backend.train_from_iterator(corpus_lines(corpus_text, 400), trainer)
     directory = tmp_path_factory.mktemp("tok")
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS).save_pretrained(directory)
     return directory, backend
@@ -185,9 +183,9 @@ def test_parquet_one_output_pair_per_key(tmp_path):
     ]
 
 
-def test_hf_tokenizer_stream_is_its_encodings_plus_eos(tmp_path, hf_tokenizer_dir):
+def test_hf_tokenizer_stream_is_its_encodings_plus_eos(tmp_path, hf_tokenizer_dir, corpus_text):
     directory, backend = hf_tokenizer_dir
-    docs = shakespeare_lines(450)[400:450] + ["unseen wörds ✓"]
+    docs = corpus_lines(corpus_text, 450)[400:450] + ["unseen wörds ✓"]
     (tmp_path / "s.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run = preprocess(
         "--input",

@@ -105,8 +105,8 @@ COMMON = ["+model=tiny_llama", "model.hidden_size=64", "model.ffn_hidden_size=16
           "logging.progress=false", "cluster.groups.0.device_type=CPU"]
 
 
-def test_fused_pipeline_equals_fused_single_process_and_tracks_eager(tmp_path, shakespeare_prefix):
-    data = f"data.path={shakespeare_prefix}"
+def test_fused_pipeline_equals_fused_single_process_and_tracks_eager(tmp_path, corpus_prefix):
+    data = f"data.path={corpus_prefix}"
 
     def train(name, *overrides):
         proc, rows = run_pretrain(tmp_path / name, [*COMMON, data, *overrides], timeout=300)

@@ -26,18 +26,18 @@ def _train(tmp_path, name, data, *overrides):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, shakespeare_prefix):
-    return _train(tmp_path_factory.mktemp("ref"), "single", shakespeare_prefix)
+def reference(tmp_path_factory, corpus_prefix):
+    return _train(tmp_path_factory.mktemp("ref"), "single", corpus_prefix)
 
 
 @pytest.fixture(scope="module")
-def reference_8_layers(tmp_path_factory, shakespeare_prefix):
-    return _train(tmp_path_factory.mktemp("ref8"), "single8", shakespeare_prefix, "model.num_layers=8")
+def reference_8_layers(tmp_path_factory, corpus_prefix):
+    return _train(tmp_path_factory.mktemp("ref8"), "single8", corpus_prefix, "model.num_layers=8")
 
 
 @pytest.mark.parametrize("transport", ["tcp", "gloo", "direct"])
-def test_pp2_across_vendors_is_bitwise_single_process(tmp_path, shakespeare_prefix, reference, transport):
-    got = _train(tmp_path, transport, shakespeare_prefix, "cluster=cpu_mixed",
+def test_pp2_across_vendors_is_bitwise_single_process(tmp_path, corpus_prefix, reference, transport):
+    got = _train(tmp_path, transport, corpus_prefix, "cluster=cpu_mixed",
                  f"cluster.transport.kind={transport}", "partition.layers=[1,3]")
     assert got == reference
     # Clipping was active (the norms exceed the threshold), so the global norm
@@ -46,43 +46,43 @@ def test_pp2_across_vendors_is_bitwise_single_process(tmp_path, shakespeare_pref
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
-def test_schedules_give_identical_losses(tmp_path, shakespeare_prefix, reference, schedule):
+def test_schedules_give_identical_losses(tmp_path, corpus_prefix, reference, schedule):
     extra = ["partition.num_chunks=2", "partition.layers=[1,1,1,1]"] if schedule == "interleaved_1f1b" else []
-    got = _train(tmp_path, schedule, shakespeare_prefix, "cluster=cpu_mixed",
+    got = _train(tmp_path, schedule, corpus_prefix, "cluster=cpu_mixed",
                  f"partition.schedule={schedule}", *extra)
     assert got == reference
 
 
-def test_pp4_uneven_split_with_same_and_cross_vendor_boundaries(tmp_path, shakespeare_prefix,
+def test_pp4_uneven_split_with_same_and_cross_vendor_boundaries(tmp_path, corpus_prefix,
                                                                 reference_8_layers):
     # Ranks 0,1 are "nvidia", 2,3 "amd": boundaries 0-1 and 2-3 stay inside a
     # vendor group (its own gloo communicator), 1-2 crosses over the tcp channel.
-    got = _train(tmp_path, "pp4", shakespeare_prefix, "cluster=cpu_mixed", "model.num_layers=8",
+    got = _train(tmp_path, "pp4", corpus_prefix, "cluster=cpu_mixed", "model.num_layers=8",
                  "cluster.groups.0.ranks_per_node=2", "cluster.groups.1.ranks_per_node=2",
                  "partition.layers=[1,3,2,2]")
     assert got == reference_8_layers
 
 
-def test_tied_embeddings_across_stages_match_closely(tmp_path, shakespeare_prefix):
+def test_tied_embeddings_across_stages_match_closely(tmp_path, corpus_prefix):
     # The tied weight's gradient is summed in another order when the embedding
     # and the head sit on different ranks, so equality is to rounding only.
     tied = ["model.share_embeddings_and_output_weights=true"]
-    single = _train(tmp_path, "tied1", shakespeare_prefix, *tied)
-    piped = _train(tmp_path, "tied2", shakespeare_prefix, "cluster=cpu_mixed", *tied)
+    single = _train(tmp_path, "tied1", corpus_prefix, *tied)
+    piped = _train(tmp_path, "tied2", corpus_prefix, "cluster=cpu_mixed", *tied)
     for (a, _), (b, _) in zip(single, piped):
         assert b == pytest.approx(a, rel=1e-5)
 
 
-def test_bad_partition_is_one_clear_line(tmp_path, shakespeare_prefix):
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={shakespeare_prefix}",
+def test_bad_partition_is_one_clear_line(tmp_path, corpus_prefix):
+    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={corpus_prefix}",
                     f"hydra.run.dir={tmp_path}", "cluster=cpu_mixed", "partition.layers=[1,1]"])
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "hetpipe: error: plan splits 2 layers" in proc.stderr
 
 
-def test_declared_vendor_must_match_hardware_unless_emulated(tmp_path, shakespeare_prefix):
-    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={shakespeare_prefix}",
+def test_declared_vendor_must_match_hardware_unless_emulated(tmp_path, corpus_prefix):
+    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={corpus_prefix}",
                     f"hydra.run.dir={tmp_path}", "cluster=cpu_mixed", "cluster.emulate=false"])
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

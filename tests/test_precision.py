@@ -127,8 +127,8 @@ def _split_resumed_run_equals_single(tmp_path, data, precision, steps):
 
 
 def test_bf16_pipeline_across_vendors_equals_single_process_resumes_and_tracks_fp32(
-        tmp_path, shakespeare_prefix):
-    single, out, saved = _split_resumed_run_equals_single(tmp_path, shakespeare_prefix, "bf16", STEPS)
+        tmp_path, corpus_prefix):
+    single, out, saved = _split_resumed_run_equals_single(tmp_path, corpus_prefix, "bf16", STEPS)
     assert ", bf16," in out  # the banner names the mode the ranks run
     # The checkpoint holds the fp32 main weights.
     from safetensors.torch import load_file
@@ -136,12 +136,12 @@ def test_bf16_pipeline_across_vendors_equals_single_process_resumes_and_tracks_f
     assert shards and all(t.dtype == torch.float32 for s in shards for t in load_file(s).values())
 
     # Data parallel with ZeRO-1: the fused gradients reach the DP reducer's hooks.
-    dp, _ = _train(tmp_path, "dp", shakespeare_prefix, "train.precision=bf16", f"train.train_iters={STEPS}",
+    dp, _ = _train(tmp_path, "dp", corpus_prefix, "train.precision=bf16", f"train.train_iters={STEPS}",
                    "cluster=cpu_homogeneous", "partition.dp=2", "optimizer.distributed=true")
     for step, (loss, _) in single.items():
         assert dp[step][0] == pytest.approx(loss, rel=2e-3), step
 
-    fp32, _ = _train(tmp_path, "fp32", shakespeare_prefix, "train.precision=fp32", f"train.train_iters={STEPS}")
+    fp32, _ = _train(tmp_path, "fp32", corpus_prefix, "train.precision=fp32", f"train.train_iters={STEPS}")
     assert fp32 != single  # bf16 really changed the arithmetic
     for step, (loss, _) in single.items():
         assert abs(loss - fp32[step][0]) / fp32[step][0] < 0.03, step
@@ -162,13 +162,13 @@ def test_cast_parameters_keeps_buffers_and_tied_weights():
         assert torch.equal(a, b.to(torch.bfloat16)), n
 
 
-def test_bf16_pure_pipeline_equals_single_process_resumes_and_holds_bf16_state(tmp_path, shakespeare_prefix):
+def test_bf16_pure_pipeline_equals_single_process_resumes_and_holds_bf16_state(tmp_path, corpus_prefix):
     """train.precision=bf16-pure (the pipelining peer's precision): bf16
     parameters, gradients, AdamW moments and checkpoints, the same bitwise
     parity across the vendor boundary and through a resume, and a loss curve
     near bf16 mode's over a short run."""
     steps = STEPS // 2
-    single, out, saved = _split_resumed_run_equals_single(tmp_path, shakespeare_prefix, "bf16-pure", steps)
+    single, out, saved = _split_resumed_run_equals_single(tmp_path, corpus_prefix, "bf16-pure", steps)
     assert ", bf16-pure," in out and "keeps no fp32 main weights" in out
     from safetensors.torch import load_file
     model = [t for s in saved.glob("model-*.safetensors") for t in load_file(s).values()]
@@ -176,7 +176,7 @@ def test_bf16_pure_pipeline_equals_single_process_resumes_and_holds_bf16_state(t
     moments = [t for s in saved.glob("optim-*.safetensors") for n, t in load_file(s).items() if "exp_avg" in n]
     assert moments and all(t.dtype == torch.bfloat16 for t in moments)
 
-    bf16, _ = _train(tmp_path, "bf16", shakespeare_prefix, "train.precision=bf16", f"train.train_iters={steps}")
+    bf16, _ = _train(tmp_path, "bf16", corpus_prefix, "train.precision=bf16", f"train.train_iters={steps}")
     assert bf16 != single  # no fp32 main weights really changed the arithmetic
     for step, (loss, _) in single.items():
         assert abs(loss - bf16[step][0]) / bf16[step][0] < 0.03, step

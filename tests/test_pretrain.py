@@ -27,9 +27,9 @@ def test_cfg_job_prints_full_8b_config_without_building_it():
         assert line in proc.stdout
 
 
-def test_tiny_llama_loss_falls_through_the_cli(tmp_path, shakespeare_prefix):
+def test_tiny_llama_loss_falls_through_the_cli(tmp_path, corpus_prefix):
     run_dir = tmp_path / "run"
-    proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", f"data.path={shakespeare_prefix}",
+    proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", f"data.path={corpus_prefix}",
                     "train.train_iters=60", "train.seq_length=128", "train.global_batch_size=16",
                     "train.log_interval=20", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4",
                     f"hydra.run.dir={run_dir}"])
@@ -57,16 +57,16 @@ def _cfg(data_path, **train):
                     "logging": {"progress": False}})
 
 
-def test_same_seed_same_losses_and_accumulation_matches_one_big_batch(tmp_path, shakespeare_prefix):
-    a = train(_cfg(shakespeare_prefix), tmp_path / "a")
-    b = train(_cfg(shakespeare_prefix), tmp_path / "b")
+def test_same_seed_same_losses_and_accumulation_matches_one_big_batch(tmp_path, corpus_prefix):
+    a = train(_cfg(corpus_prefix), tmp_path / "a")
+    b = train(_cfg(corpus_prefix), tmp_path / "b")
     assert a == b  # bitwise: seeded init and data order
     # 8 samples as 4 microbatches of 2 vs 1 microbatch of 8: the same gradient
     # up to fp32 summation order.
-    accumulated = train(_cfg(shakespeare_prefix, micro_batch_size=2), tmp_path / "c")
-    single = train(_cfg(shakespeare_prefix, micro_batch_size=8), tmp_path / "d")
+    accumulated = train(_cfg(corpus_prefix, micro_batch_size=2), tmp_path / "c")
+    single = train(_cfg(corpus_prefix, micro_batch_size=8), tmp_path / "d")
     assert accumulated == pytest.approx(single, rel=1e-5)
-    other_seed = train(_cfg(shakespeare_prefix, seed=7), tmp_path / "e")
+    other_seed = train(_cfg(corpus_prefix, seed=7), tmp_path / "e")
     assert other_seed != a
 
 
@@ -100,11 +100,11 @@ def test_bad_input_is_one_clear_line(tmp_path, overrides, needle):
     _one_error_line(proc, needle)
 
 
-def test_corrupt_index_is_refused(tmp_path, shakespeare_prefix):
+def test_corrupt_index_is_refused(tmp_path, corpus_prefix):
     import shutil
     prefix = tmp_path / "bad"
-    shutil.copy(shakespeare_prefix + ".bin", str(prefix) + ".bin")
-    data = bytearray(open(shakespeare_prefix + ".idx", "rb").read())
+    shutil.copy(corpus_prefix + ".bin", str(prefix) + ".bin")
+    data = bytearray(open(corpus_prefix + ".idx", "rb").read())
     data[:7] = b"NOTIDX!"
     (tmp_path / "bad.idx").write_bytes(bytes(data))
     proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", "train.train_iters=1",
@@ -130,11 +130,11 @@ def test_config_values_are_checked():
         resolve({"model": {"name": "m"}, "cluster": {"transport": {"kind": "carrier-pigeon"}}})
 
 
-def test_multirun_sweeps_partition_plans(tmp_path, shakespeare_prefix):
+def test_multirun_sweeps_partition_plans(tmp_path, corpus_prefix):
     proc = run_cli(["-m", "hetpipe.pretrain", "-m", "+model=tiny_llama", "cluster=cpu_mixed",
                     "partition.layers=[1,3],[3,1]", "train.train_iters=2", "train.seq_length=32",
                     "train.global_batch_size=4", "logging.progress=false",
-                    f"data.path={shakespeare_prefix}", f"hydra.sweep.dir={tmp_path}"], timeout=300)
+                    f"data.path={corpus_prefix}", f"hydra.sweep.dir={tmp_path}"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plans = sorted(p.read_text() for p in tmp_path.glob("*/plan.yaml"))
     assert len(plans) == 2 and plans[0] != plans[1]
