@@ -10,6 +10,7 @@ and the emulated cluster still runs the cross-vendor code path.
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -56,6 +57,17 @@ class TransportConfig:
     kind: str = "auto"
     # Local addresses to stripe each message over (one per NIC).
     addresses: List[str] = field(default_factory=lambda: ["127.0.0.1"])
+    # The same NICs by interface name, e.g. [eth1, eth2]: each node resolves its
+    # own address on each, so one command line fits every node of a
+    # multi-node job (give per-node names on a node's command line where
+    # images name NICs differently). Takes precedence over `addresses`.
+    # Resolved per node by hetpipe/comm/nics.py:resolve_local_nics.
+    interfaces: Optional[List[str]] = None
+    # The same NICs by network, one CIDR per stripe, e.g. [10.201.0.0/24,
+    # 10.202.0.0/24]: each node picks its interface with an address in each,
+    # so one command line fits every node even where interface names differ.
+    # Takes precedence over `addresses`; exclusive with `interfaces`.
+    subnets: Optional[List[str]] = None
     # Connections per address (more streams help a single fast NIC too).
     streams_per_address: int = 1
     # Seconds any boundary wait may take before the rank gives up.
@@ -100,6 +112,16 @@ class ClusterConfig:
             raise ConfigError(f"cluster.transport.kind={self.transport.kind!r} is not one of {TRANSPORTS}")
         if not self.transport.addresses or self.transport.streams_per_address <= 0:
             raise ConfigError("cluster.transport needs at least one address and one stream per address")
+        if self.transport.interfaces is not None and self.transport.subnets is not None:
+            raise ConfigError("cluster.transport: set interfaces or subnets, not both")
+        if self.transport.interfaces == [] or self.transport.subnets == []:
+            raise ConfigError("cluster.transport.interfaces and subnets need at least one entry (or null)")
+        for cidr in self.transport.subnets or []:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError(f"cluster.transport.subnets has {cidr!r}, which is not a CIDR such as "
+                                  "10.201.0.0/24") from None
         if self.transport.deadline_s <= 0:
             raise ConfigError("cluster.transport.deadline_s must be positive")
         if self.transport.nccl_max_ctas is not None and self.transport.nccl_max_ctas <= 0:
