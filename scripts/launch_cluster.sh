@@ -1,23 +1,76 @@
 #!/usr/bin/env bash
-# Template: start a multi-node hetpipe job with one torchrun per node.
-# Run this on every node of the cluster with the same MASTER_ADDR/PORT and
-# HETPIPE_JOB_TOKEN, and NODE_RANK = the node's position in the cluster
-# config's group order (e.g. h200_mi325x_2node: node 0 = the H200 node,
-# node 1 = the MI325X node). Each node uses its own torch build (CUDA or ROCm);
-# hetpipe checks it against the vendor the config declares for its ranks.
+# Start hetpipe on this node: one torchrun per node, c10d rendezvous.
 #
-#   MASTER_ADDR=10.0.0.1 NODE_RANK=0 HETPIPE_JOB_TOKEN=$SECRET \
+# Run it on every node with the same arguments (pretrain's overrides). The
+# node's place in the job comes from hetpipe/scheduler_env.py, which reads
+# (auto-detected, or HETPIPE_SCHEDULER=env|slurm|k8s):
+#   env    your own NODE_RANK (the node's index in the cluster config's group
+#          order: for h200_mi325x_2node node 0 is the H200 node, node 1 the
+#          MI325X node), RDZV_ENDPOINT=<node 0's host>:<port> (or MASTER_ADDR
+#          [+ MASTER_PORT]), optional NNODES, RDZV_ID, NPROC_PER_NODE
+#   slurm  a heterogeneous job, one component per vendor group
+#          (scripts/slurm/hetpipe_hetjob.sbatch)
+#   k8s    one pod group per vendor group (scripts/k8s/hetpipe.yaml)
+# Without NODE_RANK (and outside Slurm and Kubernetes) the whole cluster runs
+# on this machine, as for cpu_mixed or gpu2_mixed.
+#
+# The job's shared secret comes from HETPIPE_JOB_TOKEN or from the file named
+# by HETPIPE_JOB_TOKEN_FILE (readable by its owner only), the same on every
+# node; a multi-node job without one is refused. Each node uses its own torch
+# build (CUDA or ROCm); hetpipe checks it against the vendor the cluster config
+# declares for the node's ranks.
+#
+#   NODE_RANK=1 RDZV_ENDPOINT=10.0.0.1:29400 HETPIPE_JOB_TOKEN_FILE=~/.hetpipe-token \
 #     bash scripts/launch_cluster.sh +model=llama8b cluster=h200_mi325x_2node ...
 #
-# Not verified on a real multi-node mixed cluster by this project.
+# PYTHON picks the interpreter (default: python). Not run on a real
+# multi-node mixed cluster or a real scheduler by this project.
 set -euo pipefail
-: "${MASTER_ADDR:?set MASTER_ADDR to node 0's address}"
-: "${NODE_RANK:?set NODE_RANK to this node's index}"
-: "${HETPIPE_JOB_TOKEN:?set HETPIPE_JOB_TOKEN to the same secret on every node}"
-NNODES=${NNODES:-2}
-NPROC_PER_NODE=${NPROC_PER_NODE:-8}
-MASTER_PORT=${MASTER_PORT:-29500}
+PYTHON=${PYTHON:-python}
+
+# This node's place: HETPIPE_NNODES, HETPIPE_NODE_RANK, HETPIPE_NPROC_PER_NODE,
+# HETPIPE_FIRST_RANK, HETPIPE_GROUP, HETPIPE_VENDOR, HETPIPE_RDZV_* (a bad or
+# missing variable is one "hetpipe: error:" line and exit 2).
+place=$("$PYTHON" -m hetpipe.scheduler_env --scheduler "${HETPIPE_SCHEDULER:-auto}" -- "$@")
+eval "$place"
+
+# scheduler_env has checked that the token file is its owner's only and not empty.
+if [[ -z "${HETPIPE_JOB_TOKEN:-}" && -n "${HETPIPE_JOB_TOKEN_FILE:-}" ]]; then
+  HETPIPE_JOB_TOKEN=$(<"$HETPIPE_JOB_TOKEN_FILE")
+elif [[ -z "${HETPIPE_JOB_TOKEN:-}" ]]; then
+  # One machine only (scheduler_env refuses more nodes without a token): all
+  # ranks are this torchrun's children, so a fresh secret reaches all of them.
+  HETPIPE_JOB_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')
+fi
 export HETPIPE_JOB_TOKEN
-exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  -m hetpipe.pretrain "$@"
+
+# Pre-flight check before the job, the single place for it: hetpipe.doctor
+# with the job's own command line, one process per node, comparing the nodes
+# through a rendezvous of its own on the next port (so the job's store never
+# meets the doctor's while one node is still checking). HETPIPE_DOCTOR=1 turns
+# it on; off by default for now (HETPIPE_DOCTOR=0 keeps it off once the
+# default flips). A blocker stops this node with the doctor's exit status.
+if [[ "${HETPIPE_DOCTOR:-0}" != 0 ]]; then
+  if [[ "$HETPIPE_NNODES" == 1 ]]; then
+    "$PYTHON" -m hetpipe.doctor "$@"
+  else
+    "$PYTHON" -m torch.distributed.run --nnodes "$HETPIPE_NNODES" --nproc-per-node 1 \
+      --rdzv-backend c10d --rdzv-id "$HETPIPE_RDZV_ID-doctor" \
+      --rdzv-endpoint "${HETPIPE_RDZV_ENDPOINT%:*}:$(( ${HETPIPE_RDZV_ENDPOINT##*:} + 1 ))" \
+      --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \
+      -m hetpipe.doctor "$@"
+  fi
+fi
+
+# torchrun's c10d rendezvous numbers nodes by sorted host address and ignores
+# --node-rank, so each worker's RANK is set from the cluster config's order
+# instead: HETPIPE_FIRST_RANK + LOCAL_RANK. Workers reach the store as clients
+# of torchrun's agent store, so the renumbering is safe. is_host is given, not
+# guessed from host names; read_timeout lets the nodes start minutes apart
+# (image pulls, queueing of a job component) before the store connection fails.
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes "$HETPIPE_NNODES" --nproc-per-node "$HETPIPE_NPROC_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$HETPIPE_RDZV_ENDPOINT" --rdzv-id "$HETPIPE_RDZV_ID" \
+  --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \
+  --no-python bash -c 'export RANK=$((HETPIPE_FIRST_RANK + LOCAL_RANK)); exec "$0" -m hetpipe.pretrain "$@"' \
+  "$PYTHON" "$@"
