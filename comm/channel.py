@@ -21,7 +21,7 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -251,8 +251,10 @@ class CompletionHandle(Handle):
 class Channel(ABC):
     """Point-to-point boundary transport between this rank and its pipeline neighbours.
 
-    ``peer`` arguments are global ranks. ``names`` maps global ranks to the
-    stage descriptions used in every error ("stage 1 (group amd, rank 1)").
+    ``peer`` is always a global rank, in every method of every transport (the
+    engine's per-stage view is :class:`~hetpipe.comm.stage_link.StageLink`,
+    which takes no peer). ``names`` maps global ranks to the stage
+    descriptions used in every error ("stage 1 (group amd, rank 1)").
     Messages to one peer are delivered in the order they were sent, and
     receives from one peer are matched to posted ``irecv`` calls in order.
     """
@@ -264,8 +266,6 @@ class Channel(ABC):
         self.deadline = float(deadline)
         # Set by close(); posting on a closed channel is an error, not a hang.
         self._closed = False
-        # Per-peer transfer state of the channels that keep any (rank -> state).
-        self._peers: dict[int, Any] = {}
         if rank in self.peers:
             raise ChannelError(f"{self.name_of(rank)} lists itself among its channel peers")
         if self.deadline <= 0:
@@ -288,11 +288,6 @@ class Channel(ABC):
         if self._closed:
             raise ChannelError(f"{self.name}'s channel is closed")
         self.check_peer(peer)
-
-    def _posting_peer(self, peer: int) -> Any:
-        """The per-peer state a new transfer to or from ``peer`` is queued on."""
-        self.check_open(peer)
-        return self._peers[peer]
 
     def send_action(self, header: FrameHeader, peer: int) -> str:
         return f"send {header.describe()} to {self.name_of(peer)}"

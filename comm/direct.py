@@ -1,12 +1,13 @@
 """Device-direct boundary channel: a CPU control plane over TCP, a mover for the bytes.
 
 The bytes of a boundary tensor never cross the control connection: a mover
-(:mod:`hetpipe.comm.movers`) writes them straight into the receiver's
+(:mod:`hetpipe.comm.mover`) writes them straight into the receiver's
 registered buffer (shared memory in CI, CUDA/HIP IPC between GPUs of one host,
 later RDMA). What remains is the hard part, and it lives here on the CPU:
 
 * one authenticated TCP control connection per peer pair, set up with the
-  same rendezvous and token handshake as :class:`~hetpipe.comm.tcp.TcpChannel`;
+  same rendezvous and token handshake as :class:`~hetpipe.comm.tcp.TcpChannel`
+  (:mod:`hetpipe.comm.rendezvous`);
 * a receive protocol in three small messages. Posting ``irecv`` takes a
   receive buffer from the registration cache (registering a new one only for
   a size not seen before) and sends ``READY seq, region, offset, expected
@@ -18,7 +19,8 @@ later RDMA). What remains is the hard part, and it lives here on the CPU:
 * FIFO per ordered pair: both sides number messages in posting order and
   match by sequence number, exactly as torch P2P matches posts;
 * completions and deadlines on :class:`CompletionHandle`; a lost peer fails
-  every pending handle with it; ``close`` is prompt and idempotent.
+  every pending handle with it; ``close`` is prompt and idempotent
+  (:mod:`hetpipe.comm.threaded`).
 
 Each peer has two threads: a reader (control messages in) and a worker (the
 only writer of the socket; it also runs the mover's writes, so a slow copy
@@ -26,12 +28,10 @@ never holds up reading and ``isend`` never blocks the compute thread).
 """
 from __future__ import annotations
 
-import logging
 import queue
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -41,7 +41,6 @@ import torch.distributed as dist
 from hetpipe.comm.channel import (
     HEADER_SIZE,
     MAGIC,
-    Channel,
     ChannelError,
     CompletionHandle,
     FrameHeader,
@@ -51,10 +50,13 @@ from hetpipe.comm.channel import (
     encode_header,
     header_for,
 )
-from hetpipe.comm.movers import Landing, Mover, RegionHandle, make_mover
-from hetpipe.comm.tcp import MAX_TOKEN_BYTES, SocketRendezvous, recv_exact
-
-log = logging.getLogger(__name__)
+from hetpipe.comm.handshake import check_token
+from hetpipe.comm.ipc_mover import GpuIpcMover
+from hetpipe.comm.mover import Landing, Mover, RegionHandle
+from hetpipe.comm.rendezvous import connect_peers
+from hetpipe.comm.shm_mover import ShmMover
+from hetpipe.comm.sockets import recv_exact
+from hetpipe.comm.threaded import PeerState, ThreadedChannel
 
 # Control message: magic, type, sequence number, payload length; then the payload.
 _MSG = struct.Struct("<4sBQI")
@@ -63,7 +65,6 @@ _READY, _DONE, _ERROR = 1, 2, 3
 _OFFSET = struct.Struct("<Q")
 # A READY carries a header and a small JSON handle; anything larger is not a hetpipe peer.
 _MAX_PAYLOAD = 1 << 16
-_JOIN_SECONDS = 2.0
 # Free receive buffers kept per size; a pipeline repeats the same few activation sizes.
 _CACHE_PER_SIZE = 4
 # Keys live under their own prefix so a job can run TCP and direct channels side by side.
@@ -136,70 +137,66 @@ class _Ready:
     region: bytes
 
 
-@dataclass(eq=False)
-class _Peer:
-    rank: int
-    name: str
+@dataclass(eq=False, kw_only=True)
+class _DirectPeer(PeerState):
     sock: socket.socket
-    cond: threading.Condition = field(default_factory=threading.Condition)
     out: "queue.SimpleQueue[tuple[str, Any] | None]" = field(default_factory=queue.SimpleQueue)
-    threads: list[threading.Thread] = field(default_factory=list)
-    send_seq: int = 0
-    recv_seq: int = 0
     sends: dict[int, _Send] = field(default_factory=dict)
     readies: dict[int, _Ready] = field(default_factory=dict)
     recvs: dict[int, _Recv] = field(default_factory=dict)
-    error: ChannelError | None = None
 
 
 def _message(kind: int, seq: int, payload: bytes = b"") -> bytes:
     return _MSG.pack(MAGIC, kind, seq, len(payload)) + payload
 
 
-class DirectChannel(Channel, SocketRendezvous):
+def make_mover(kind: str, device: torch.device | None) -> Mover:
+    """'shm', 'ipc', or 'auto' (IPC for a CUDA/ROCm device, shared memory for anything else)."""
+    if kind == "shm":
+        return ShmMover()
+    if kind == "ipc":
+        return GpuIpcMover(device)
+    if kind != "auto":
+        raise ChannelError(f"unknown mover {kind!r}; expected 'auto', 'shm' or 'ipc'")
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return GpuIpcMover(device)
+    return ShmMover()
+
+
+class DirectChannel(ThreadedChannel[_DirectPeer]):
     """Boundary channel whose bytes move through ``mover`` ('auto', 'shm', 'ipc'), controlled over TCP.
 
     ``store`` and ``token`` play the same roles as for TcpChannel (every rank
     of the job uses the same token). ``deadline`` bounds the rendezvous and is
     every ``wait``'s default. ``device`` is the device this rank's boundary
-    tensors live on; with ``mover='auto'`` a CUDA device selects CUDA IPC when
-    cupy imports, anything else shared memory. Both peers of a pair must be on
-    one host for the shm and IPC movers.
+    tensors live on; with ``mover='auto'`` a GPU selects the GPU IPC mover,
+    anything else shared memory. Both peers of a pair must be on one host for
+    the shm and IPC movers. ``address`` is the local address of the control
+    connections.
     """
 
     def __init__(self, rank: int, peers: list[int], names: dict[int, str], store: dist.Store, token: str,
                  mover: str | Mover = "auto", deadline: float = 300.0, device: torch.device | None = None,
                  address: str = "127.0.0.1") -> None:
-        super().__init__(rank, peers, names, deadline)
-        if not token:
-            raise ChannelError("DirectChannel needs a non-empty job token")
-        if len(token.encode()) > MAX_TOKEN_BYTES:
-            raise ChannelError(f"job token is longer than {MAX_TOKEN_BYTES} bytes")
+        super().__init__(rank, peers, names, deadline, transport="direct")
+        secret = check_token(token, "DirectChannel")
         self.device = torch.device(device) if device is not None else None
-        self.addresses = [address]
-        self.streams_per_address = 1
-        self.nstreams = 1  # one control connection per peer pair
-        self._token = token.encode()
-        self._lock = threading.Lock()
-        self._closing = False
         self.mover = mover if isinstance(mover, Mover) else make_mover(mover, self.device)
         self._cache = _BufferCache(self.mover)
         try:
             # One control connection per peer pair (stream 0); the prefix keeps
             # these endpoints apart from a TcpChannel's in the same store.
-            sockets = {peer: sock for (peer, _), sock in
-                       self._rendezvous(dist.PrefixStore(_STORE_PREFIX, store)).items()}
+            sockets = connect_peers(dist.PrefixStore(_STORE_PREFIX, store), rank=rank, peers=self.peers,
+                                    name_of=self.name_of, addresses=[address], streams_per_address=1,
+                                    token=secret, deadline=self.deadline)
         except BaseException:
             self.mover.close()
             raise
-        self._peers = {p: _Peer(p, self.name_of(p), sockets[p]) for p in self.peers}
+        self._peers = {p: _DirectPeer(rank=p, name=self.name_of(p), sock=sockets[(p, 0)]) for p in self.peers}
         for state in self._peers.values():
             state.sock.settimeout(None)
-            for target, role in ((self._reader_loop, "read"), (self._worker_loop, "work")):
-                thread = threading.Thread(target=target, args=(state,), daemon=True,
-                                          name=f"hetpipe-direct-{role}-{rank}-{state.rank}")
-                state.threads.append(thread)
-                thread.start()
+            self._start_thread(state, "read", self._reader_loop)
+            self._start_thread(state, "work", self._worker_loop)
 
     # -------------------------------------------------------------- posting
 
@@ -252,7 +249,7 @@ class DirectChannel(Channel, SocketRendezvous):
 
     # ------------------------------------------------------------- threads
 
-    def _worker_loop(self, peer: _Peer) -> None:
+    def _worker_loop(self, peer: _DirectPeer) -> None:
         """The socket's only writer; also runs the mover for sends whose READY arrived."""
         while True:
             item = peer.out.get()
@@ -269,7 +266,7 @@ class DirectChannel(Channel, SocketRendezvous):
                 if what == "write":
                     payload[0].handle.set_failed(peer.error or ChannelError(f"connection to {peer.name} lost"))
 
-    def _write(self, peer: _Peer, op: _Send, answer: _Ready) -> None:
+    def _write(self, peer: _DirectPeer, op: _Send, answer: _Ready) -> None:
         try:
             check_header(op.header, answer.expected, receiver=peer.name, sender=self.name)
             if op.header.nbytes:
@@ -297,7 +294,7 @@ class DirectChannel(Channel, SocketRendezvous):
             completion.wait()  # the source may be reused only after the copy finished
         op.handle.set_done()
 
-    def _reader_loop(self, peer: _Peer) -> None:
+    def _reader_loop(self, peer: _DirectPeer) -> None:
         head = bytearray(_MSG.size)
         try:
             while True:
@@ -324,7 +321,7 @@ class DirectChannel(Channel, SocketRendezvous):
         except OSError as exc:
             self._fail_peer(peer, ChannelError(f"connection to {peer.name} lost: {exc}"))
 
-    def _on_ready(self, peer: _Peer, seq: int, payload: bytes) -> None:
+    def _on_ready(self, peer: _DirectPeer, seq: int, payload: bytes) -> None:
         if len(payload) < _OFFSET.size + HEADER_SIZE:
             raise ChannelError(f"{peer.name} sent a truncated READY for message #{seq}")
         (offset,) = _OFFSET.unpack_from(payload)
@@ -339,7 +336,7 @@ class DirectChannel(Channel, SocketRendezvous):
             else:
                 peer.out.put(("write", (op, answer)))
 
-    def _take_recv(self, peer: _Peer, seq: int, what: str) -> _Recv:
+    def _take_recv(self, peer: _DirectPeer, seq: int, what: str) -> _Recv:
         with peer.cond:
             op = peer.recvs.pop(seq, None)
         if op is None:
@@ -347,7 +344,7 @@ class DirectChannel(Channel, SocketRendezvous):
                                "receiving: the stream is out of step")
         return op
 
-    def _on_done(self, peer: _Peer, seq: int, signal: bytes) -> None:
+    def _on_done(self, peer: _DirectPeer, seq: int, signal: bytes) -> None:
         op = self._take_recv(peer, seq, "DONE")
         if op.buffer is None:
             op.handle.set_done()
@@ -363,27 +360,20 @@ class DirectChannel(Channel, SocketRendezvous):
         op.finish = landing.finish
         op.handle.set_done()
 
-    def _on_error(self, peer: _Peer, seq: int, payload: bytes) -> None:
+    def _on_error(self, peer: _DirectPeer, seq: int, payload: bytes) -> None:
         op = self._take_recv(peer, seq, "ERROR")
         if op.buffer is not None:
             self._cache.release(op.buffer)  # nothing was written into it
         op.handle.set_failed(ChannelError(payload.decode(errors="replace")))
 
-    def _fail_peer(self, peer: _Peer, error: ChannelError) -> None:
-        """Fail every pending transfer with ``peer`` and tear its connection down (first error wins)."""
-        with peer.cond:
-            if peer.error is not None:
-                return
-            if self._closing:
-                error = ChannelError(f"{self.name} closed its channel to {peer.name}")
-            peer.error = error
-            pending = [op.handle for op in peer.recvs.values()] + [op.handle for op in peer.sends.values()]
-            peer.recvs.clear()
-            peer.sends.clear()
-            peer.readies.clear()
-        if pending and not self._closing:
-            log.error("%s", error)
-        # A write the worker runs right now fails or completes on its own; queued ones fail below.
+    # ------------------------------------------------------- failure, close
+
+    def _abandon(self, peer: _DirectPeer) -> list[CompletionHandle]:
+        pending = [op.handle for op in peer.recvs.values()] + [op.handle for op in peer.sends.values()]
+        peer.recvs.clear()
+        peer.sends.clear()
+        peer.readies.clear()
+        # A write the worker runs right now fails or completes on its own; queued ones fail here.
         while True:
             try:
                 item = peer.out.get_nowait()
@@ -391,26 +381,17 @@ class DirectChannel(Channel, SocketRendezvous):
                 break
             if item is not None and item[0] == "write":
                 pending.append(item[1][0].handle)
-        for handle in pending:
-            handle.set_failed(error)
+        return pending
+
+    def _disconnect(self, peer: _DirectPeer) -> None:
         peer.out.put(None)
         try:
             peer.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._closing = True
+    def _release(self) -> None:
         for peer in self._peers.values():
-            self._fail_peer(peer, ChannelError(f"{self.name} closed its channel"))
-        until = time.monotonic() + _JOIN_SECONDS
-        for peer in self._peers.values():
-            for thread in peer.threads:
-                thread.join(max(until - time.monotonic(), 0.0))
             peer.sock.close()
         self._cache.clear()
         self.mover.close()

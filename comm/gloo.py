@@ -17,7 +17,8 @@ has posted the matching receive: posting lazily could deadlock two stages that
 each wait on their own send first.
 
 GPU tensors are copied to host memory before sending and back on ``wait``
-(on the caller's current stream); that path is not exercised in CI.
+(on the caller's current stream); that path is not exercised in CI. Lost
+peers, deadlines and ``close`` follow :mod:`hetpipe.comm.threaded`.
 
 Limitation: gloo offers no way to cancel a posted receive, so ``close`` cannot
 interrupt a receive thread blocked on a peer that never sends; that daemon
@@ -28,8 +29,6 @@ from __future__ import annotations
 
 import collections
 import queue
-import threading
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,7 +36,6 @@ import torch.distributed as dist
 
 from hetpipe.comm.channel import (
     HEADER_SIZE,
-    Channel,
     ChannelError,
     CompletionHandle,
     FrameHeader,
@@ -48,13 +46,13 @@ from hetpipe.comm.channel import (
     encode_header,
     header_for,
 )
+from hetpipe.comm.threaded import PeerState, ThreadedChannel
 
 _HEADER_TAG = 0x4850
 _DATA_TAG = 0x4851
 # A mismatched message is received into scratch memory to keep the stream in
 # step; beyond this size the peer is treated as lost instead.
 _MAX_DRAIN_BYTES = 1 << 30
-_JOIN_SECONDS = 2.0
 
 
 @dataclass(eq=False)
@@ -64,22 +62,15 @@ class _Recv:
     handle: CompletionHandle
 
 
-@dataclass(eq=False)
-class _Peer:
-    rank: int
-    name: str
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    send_seq: int = 0
-    recv_seq: int = 0
+@dataclass(eq=False, kw_only=True)
+class _GlooPeer(PeerState):
     recvs: collections.deque[_Recv] = field(default_factory=collections.deque)
     sends: "queue.SimpleQueue[tuple[list[dist.Work], CompletionHandle, tuple[torch.Tensor, ...]] | None]" = \
         field(default_factory=queue.SimpleQueue)
     pending_sends: set[CompletionHandle] = field(default_factory=set)
-    error: ChannelError | None = None
-    threads: list[threading.Thread] = field(default_factory=list)
 
 
-class GlooChannel(Channel):
+class GlooChannel(ThreadedChannel[_GlooPeer]):
     """Header-checked boundary channel on a gloo process group.
 
     ``group`` must be a gloo group containing this rank and its peers (None:
@@ -88,21 +79,17 @@ class GlooChannel(Channel):
 
     def __init__(self, rank: int, peers: list[int], names: dict[int, str],
                  group: dist.ProcessGroup | None = None, deadline: float = 300.0) -> None:
-        super().__init__(rank, peers, names, deadline)
+        super().__init__(rank, peers, names, deadline, transport="gloo")
         if not dist.is_initialized():
             raise ChannelError("GlooChannel needs torch.distributed to be initialized")
         backend = str(dist.get_backend(group))
         if backend != "gloo":
             raise ChannelError(f"GlooChannel needs a gloo process group, got backend {backend!r}")
         self.group = group
-        self._lock = threading.Lock()
-        self._peers = {p: _Peer(p, self.name_of(p)) for p in self.peers}
+        self._peers = {p: _GlooPeer(rank=p, name=self.name_of(p)) for p in self.peers}
         for state in self._peers.values():
-            for target, role in ((self._receive_loop, "recv"), (self._send_loop, "send")):
-                thread = threading.Thread(target=target, args=(state,), daemon=True,
-                                          name=f"hetpipe-gloo-{role}-{rank}-{state.rank}")
-                state.threads.append(thread)
-                thread.start()
+            self._start_thread(state, "recv", self._receive_loop)
+            self._start_thread(state, "send", self._send_loop)
 
     def isend(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
         state = self._posting_peer(peer)
@@ -151,7 +138,7 @@ class GlooChannel(Channel):
             state.cond.notify_all()
         return handle
 
-    def _send_loop(self, peer: _Peer) -> None:
+    def _send_loop(self, peer: _GlooPeer) -> None:
         while True:
             item = peer.sends.get()
             if item is None:
@@ -167,7 +154,7 @@ class GlooChannel(Channel):
                 peer.pending_sends.discard(handle)
             handle.set_done()
 
-    def _receive_loop(self, peer: _Peer) -> None:
+    def _receive_loop(self, peer: _GlooPeer) -> None:
         while True:
             with peer.cond:
                 while not peer.recvs and peer.error is None:
@@ -203,27 +190,13 @@ class GlooChannel(Channel):
             else:
                 op.handle.set_done()
 
-    def _fail_peer(self, peer: _Peer, error: ChannelError) -> None:
-        with peer.cond:
-            if peer.error is not None:
-                return
-            peer.error = error
-            pending = [op.handle for op in peer.recvs] + list(peer.pending_sends)
-            peer.recvs.clear()
-            peer.pending_sends.clear()
-            peer.cond.notify_all()
-        for handle in pending:
-            handle.set_failed(error)
+    def _abandon(self, peer: _GlooPeer) -> list[CompletionHandle]:
+        pending = [op.handle for op in peer.recvs] + list(peer.pending_sends)
+        peer.recvs.clear()
+        peer.pending_sends.clear()
+        return pending
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        for peer in self._peers.values():
-            self._fail_peer(peer, ChannelError(f"{self.name} closed its channel to {peer.name}"))
-            peer.sends.put(None)
-        until = time.monotonic() + _JOIN_SECONDS
-        for peer in self._peers.values():
-            for thread in peer.threads:
-                thread.join(max(until - time.monotonic(), 0.0))
+    def _disconnect(self, peer: _GlooPeer) -> None:
+        # Sends already posted to gloo finish (or time out) before the thread sees this;
+        # the receive thread returns on the peer's error by itself.
+        peer.sends.put(None)

@@ -29,9 +29,6 @@ the direction group's timeout, which the topology sets to
 ``cluster.transport.deadline_s``; its error names the operation and the group
 rather than the stage. gloo waits block the host and raise the channel's own
 :class:`ChannelTimeout`.
-
-:class:`WorkHandle` (a handle over torch ``Work`` objects with a deadline) is
-shared with the gloo channel.
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Runs one pipeline rank's action list for one optimizer step.
 
-The engine is transport-agnostic: it sees each neighbour as a
-:class:`hetpipe.comm.channel.Channel` and does not know whether NCCL, the TCP
-CPU-forwarding channel or gloo carries the bytes. Receives are posted ahead
-(``recv_ahead`` outstanding, in action-list order, which is the FIFO order the
-channels match on) so transfers overlap compute; sends are asynchronous and
-only waited for at the end of the step. With one stage and no channels the
-same engine is the single-process trainer, which is what makes pipelined and
-single-process runs comparable bit for bit.
+The engine is transport-agnostic: it sees each neighbouring stage as a
+:class:`hetpipe.comm.stage_link.StageLink` and does not know which ranks stand
+behind it or whether NCCL, the TCP CPU-forwarding channel or gloo carries the
+bytes. Receives are posted ahead (``recv_ahead`` outstanding, in action-list
+order, which is the FIFO order the channels match on) so transfers overlap
+compute; sends are asynchronous and only waited for at the end of the step.
+With one stage and no links the same engine is the single-process trainer,
+which is what makes pipelined and single-process runs comparable bit for bit.
 """
 from __future__ import annotations
 
@@ -20,17 +20,18 @@ from hetpipe.precision import Bf16Weights, compute_context
 from hetpipe.schedules import Action
 
 if TYPE_CHECKING:
-    from hetpipe.comm.channel import Channel, Handle
+    from hetpipe.comm.channel import Handle
+    from hetpipe.comm.stage_link import StageLink
 
 
 class PipelineEngine:
-    def __init__(self, chunks: Sequence[CausalLM], actions: Sequence[Action], channels: dict[int, Channel],
+    def __init__(self, chunks: Sequence[CausalLM], actions: Sequence[Action], links: dict[int, StageLink],
                  rank: int, pipeline_size: int, activation_shape: tuple[int, ...],
                  activation_dtype: torch.dtype, device: torch.device, precision: str = "fp32",
                  weights: Optional[Bf16Weights] = None, recv_ahead: int = 2) -> None:
         self.chunks = list(chunks)
         self.actions = list(actions)
-        self.channels = channels
+        self.links = links  # neighbouring stage index -> its link
         self.rank = rank
         self.pipeline_size = pipeline_size
         self.num_virtual = pipeline_size * len(self.chunks)
@@ -105,7 +106,7 @@ class PipelineEngine:
                 a = self.actions[recv_positions[next_recv]]
                 kind = "fwd" if a.kind == "recv_fwd" else "bwd"
                 buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
-                handle = self.channels[a.peer].irecv(buf, a.peer, microbatch=a.microbatch, kind=kind)
+                handle = self.links[a.peer].irecv(buf, microbatch=a.microbatch, kind=kind)
                 posted[(kind, a.microbatch, a.chunk)] = (buf, handle)
                 next_recv += 1
 
@@ -135,8 +136,8 @@ class PipelineEngine:
                 if is_last:
                     losses[action.microbatch] = out.detach()
             elif action.kind == "send_fwd":
-                sends.append(self.channels[action.peer].isend(
-                    outputs[key].detach(), action.peer, microbatch=action.microbatch, kind="fwd"))
+                sends.append(self.links[action.peer].isend(
+                    outputs[key].detach(), microbatch=action.microbatch, kind="fwd"))
             elif action.kind == "bwd":
                 out = outputs.pop(key)
                 if v == self.num_virtual - 1:
@@ -146,8 +147,8 @@ class PipelineEngine:
                     out.backward(received.pop(("bwd",) + key))
             elif action.kind == "send_bwd":
                 x = inputs.pop(key)
-                sends.append(self.channels[action.peer].isend(
-                    x.grad, action.peer, microbatch=action.microbatch, kind="bwd"))
+                sends.append(self.links[action.peer].isend(
+                    x.grad, microbatch=action.microbatch, kind="bwd"))
             else:
                 raise ValueError(f"unknown pipeline action {action}")
             if action.kind == "bwd" and v == 0:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hetpipe.models import CausalLM, ModelConfig
+from hetpipe.parallel.tp_shards import tp_sq_norm_share
 
 
 def global_parameter_order(cfg: ModelConfig) -> dict[str, int]:
@@ -32,7 +33,7 @@ class GradNormClipper:
     norm of each parameter it *contributes*: with data parallelism only DP
     replica 0 reports (after the DP reduction all replicas hold the same
     gradients); with tensor parallelism every TP rank reports its shard's part
-    (:func:`hetpipe.parallel.tensor.tp_sq_norm_share`; a tensor every TP rank
+    (:func:`hetpipe.parallel.tp_shards.tp_sq_norm_share`; a tensor every TP rank
     holds whole is reported by TP rank 0 only). A position reported once takes
     that norm as it is - which keeps the no-TP, no-DP case bitwise equal to
     ``clip_grad_norm_`` in one process - and one reported by several TP ranks
@@ -78,8 +79,6 @@ class GradNormClipper:
         if not self.sharded:
             # fp32 norms also of bf16 gradients (train.precision=bf16-pure).
             return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
-        from hetpipe.parallel.tensor import tp_sq_norm_share
-
         return [tp_sq_norm_share(p, g).sqrt() for p, g in zip(self.params, grads)]
 
     def clip(self, max_norm: float, extra: Optional[torch.Tensor] = None,

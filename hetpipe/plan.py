@@ -26,10 +26,14 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
 from hetpipe.errors import ConfigError, run_cli
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner.solver import PlannerConfig, Solution, solve
+from hetpipe.partitioner.catalog import catalog_with, detect_device_type
+from hetpipe.partitioner.planner_config import PlannerConfig
+from hetpipe.partitioner.profile import measure_units, save_entry
+from hetpipe.partitioner.report import Solution
+from hetpipe.partitioner.solver import solve
+from hetpipe.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
 
 MODES = ("plan", "profile")
 
@@ -81,7 +85,7 @@ def register_plan_config() -> None:
     ConfigStore.instance().store(name="plan_schema", node=PlanConfig)
 
 
-def resolve_plan(cfg: DictConfig | dict[str, Any]) -> PlanConfig:
+def resolve_plan_config(cfg: DictConfig | dict[str, Any]) -> PlanConfig:
     """Turn a composed config into checked dataclass objects, or raise ConfigError."""
     return resolve(cfg, PlanConfig)
 
@@ -101,9 +105,6 @@ def run_plan(cfg: PlanConfig) -> Solution:
 
 def run_profile(cfg: PlanConfig) -> None:
     """Measure the units on this machine and file them in the profile JSON."""
-    from hetpipe.partitioner.catalog import catalog_with, detect_device_type
-    from hetpipe.partitioner.profile import measure_units, save_entry
-
     p = cfg.profiling
     name, entry = measure_units(cfg.model, cfg.train.seq_length, cfg.train.micro_batch_size,
                                 cfg.train.precision, repeats=p.repeats, warmup=p.warmup, seed=cfg.train.seed,
@@ -177,7 +178,7 @@ register_plan_config()
 @hydra.main(version_base=None, config_path="pkg://hetpipe.configs", config_name="plan")
 def main(cfg: DictConfig) -> None:
     def _run() -> None:
-        resolved = resolve_plan(cfg)
+        resolved = resolve_plan_config(cfg)
         if resolved.mode == "profile":
             run_profile(resolved)
         else:

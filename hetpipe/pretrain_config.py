@@ -17,8 +17,8 @@ from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.model_config import ModelConfig, preset_names
 from hetpipe.models.layers import sdpa_preference
+from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.precision import PRECISIONS
-from hetpipe.partitioner.solver import PlannerConfig
 
 
 @dataclass

@@ -10,142 +10,21 @@ configured cross-vendor channel.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.comm.factory import build_rank_channels
+from hetpipe.comm.stage_link import StageLink
 from hetpipe.comm.vendor import detect_vendor
 from hetpipe.errors import ConfigError
-from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner.plan import Plan, StagePlan, even_split
-
-if TYPE_CHECKING:
-    from hetpipe.comm.channel import Channel
-
-
-def group_tp_degrees(partition, cluster: ClusterConfig) -> list[int]:
-    """TP degree of each cluster group from ``partition.tp`` / ``partition.tp_per_group``."""
-    if partition.tp_per_group is None:
-        return [partition.tp] * len(cluster.groups)
-    if len(partition.tp_per_group) != len(cluster.groups):
-        raise ConfigError(f"partition.tp_per_group={list(partition.tp_per_group)} has "
-                          f"{len(partition.tp_per_group)} entries but cluster {cluster.name!r} has "
-                          f"{len(cluster.groups)} groups ({', '.join(g.name for g in cluster.groups)})")
-    return list(partition.tp_per_group)
-
-
-def build_plan(partition, cluster: ClusterConfig, model: ModelConfig) -> Plan:
-    """The plan from explicit overrides. Each vendor group is cut into
-    ``ranks / (TP x DP)`` pipeline stages of consecutive ranks (TP fastest,
-    then DP, as in Megatron's rank order), groups in cluster order; decoder
-    layers per stage from ``partition.layers`` or an even split."""
-    tps = group_tp_degrees(partition, cluster)
-    dp = partition.dp
-    physical: list[tuple[str, list[int], int]] = []
-    for i, g in enumerate(cluster.groups):
-        per_stage = tps[i] * dp
-        if g.size % per_stage:
-            raise ConfigError(f"group {g.name!r} has {g.size} ranks, not a multiple of TP{tps[i]} x DP{dp} = "
-                              f"{per_stage}; every stage of a group needs TP x DP ranks")
-        start = cluster.group_ranks(i)[0]
-        for j in range(g.size // per_stage):
-            physical.append((g.name, list(range(start + j * per_stage, start + (j + 1) * per_stage)), tps[i]))
-    p = len(physical)
-    if partition.num_chunks > 1 and p == 1:
-        raise ConfigError("partition.num_chunks > 1 (interleaving) needs at least two pipeline stages")
-    virtual = p * partition.num_chunks
-    layers = list(partition.layers) if partition.layers is not None else even_split(model.num_layers, virtual)
-    if len(layers) != virtual:
-        raise ConfigError(f"partition.layers={layers} has {len(layers)} entries but cluster {cluster.name!r} "
-                          f"gives {p} pipeline stage(s) (TP {tps}, DP {dp}) x num_chunks={partition.num_chunks} "
-                          f"= {virtual} (virtual) stages")
-    stages = []
-    for v, n in enumerate(layers):
-        group, ranks, tp = physical[v % p]
-        stages.append(StagePlan(group=group, ranks=list(ranks), layers=n, tp=tp, dp=dp))
-    plan = Plan(stages=stages, schedule=partition.schedule, num_chunks=partition.num_chunks)
-    plan.check_model(model.num_layers)
-    return plan
-
-
-def resolve_plan(cfg) -> Plan:
-    """The plan a pretrain config asks for: ``plan=auto`` (the cost-model
-    planner, restricted to what this release runs: no recompute), ``plan=PATH``
-    (a plan.yaml), or the explicit ``partition`` settings."""
-    from hetpipe.partitioner.solver import plan_for
-
-    if cfg.plan is None:
-        plan = build_plan(cfg.partition, cfg.cluster, cfg.model)
-    elif cfg.plan == "auto":
-        planner = dataclasses.replace(cfg.planner, recompute=bool(cfg.planner.recompute))
-        plan = plan_for(cfg.model, cfg.cluster, cfg.train, planner)
-    else:
-        plan = Plan.load(cfg.plan)
-    plan.check_model(cfg.model.num_layers)
-    check_runnable(plan, cfg.cluster, cfg.train, cfg.model)
-    return plan
-
-
-def check_runnable(plan: Plan, cluster: ClusterConfig, train, model: Optional[ModelConfig] = None) -> None:
-    """Refuse plans this release cannot run, each with one sentence naming the problem."""
-    world = cluster.world_size
-    p = plan.pipeline_size
-    seen: dict[int, int] = {}
-    for v, stage in enumerate(plan.stages):
-        if len(stage.ranks) != stage.tp * stage.dp:
-            raise ConfigError(f"plan stage {v} has {len(stage.ranks)} ranks {stage.ranks} but TP{stage.tp} x "
-                              f"DP{stage.dp} needs {stage.tp * stage.dp}")
-        for r in stage.ranks:
-            if not 0 <= r < world:
-                raise ConfigError(f"plan stage {v} uses rank {r}, outside cluster {cluster.name!r} "
-                                  f"of {world} ranks")
-            if cluster.group_of(r)[1].name != stage.group:
-                raise ConfigError(f"plan stage {v} is on group {stage.group!r} but its rank {r} belongs to "
-                                  f"{cluster.group_of(r)[1].name!r}")
-        if v >= p:
-            first = plan.stages[v % p]
-            if stage.ranks != first.ranks or stage.tp != first.tp:
-                raise ConfigError(f"plan virtual stage {v} must sit on the ranks of stage {v % p} "
-                                  f"({first.ranks}, TP{first.tp}) with num_chunks={plan.num_chunks}")
-            continue
-        for r in stage.ranks:
-            if r in seen:
-                raise ConfigError(f"rank {r} is in both plan stage {seen[r]} and stage {v}")
-            seen[r] = v
-    idle = [r for r in range(world) if r not in seen]
-    if idle:
-        raise ConfigError(f"the plan leaves rank(s) {idle} of cluster {cluster.name!r} idle; this release needs "
-                          "every rank in a stage (shrink the cluster or change the plan)")
-    dps = sorted({s.dp for s in plan.stages})
-    if len(dps) > 1:
-        raise ConfigError(f"plan stages use different data-parallel degrees {dps}; DP must be equal across "
-                          "stages (each stage is replicated DP times and every replica runs the whole pipeline)")
-    dp = dps[0]
-    if train.global_batch_size % (train.micro_batch_size * dp):
-        raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                          f"micro_batch_size={train.micro_batch_size} x DP{dp}")
-    if model is not None:
-        from hetpipe.parallel.tensor import check_tensor_parallel
-
-        for tp in sorted({s.tp for s in plan.stages}):
-            check_tensor_parallel(model, tp)
-        if model.share_embeddings_and_output_weights and plan.stages[0].tp != plan.stages[-1].tp:
-            raise ConfigError(f"model {model.name!r} ties its embedding and output weights, so the first and "
-                              f"last stage need the same TP degree (got TP{plan.stages[0].tp} and "
-                              f"TP{plan.stages[-1].tp})")
-    if plan.recompute:
-        raise ConfigError("the plan turns on activation recomputation, which this release does not run yet")
-    mbs = plan.notes.get("micro_batch_size") if plan.notes else None
-    if mbs is not None and mbs != train.micro_batch_size:
-        raise ConfigError(f"the plan was made for micro_batch_size={mbs} but train.micro_batch_size="
-                          f"{train.micro_batch_size}; set train.micro_batch_size={mbs}")
+from hetpipe.partitioner.plan import Plan
 
 
 def check_group_vendor(cluster: ClusterConfig, group: GroupConfig) -> None:
@@ -155,18 +34,6 @@ def check_group_vendor(cluster: ClusterConfig, group: GroupConfig) -> None:
         raise ConfigError(
             f"group {group.name!r} is declared {group.vendor} but its ranks run on {detected} "
             "hardware; set cluster.emulate=true to emulate a mixed cluster")
-
-
-def check_transport_available(cluster: ClusterConfig) -> str:
-    """The cross-vendor channel kind this release runs for ``transport.kind``."""
-    kind = cluster.transport.kind
-    if kind == "direct" and not cluster.single_node:
-        raise ConfigError("cluster.transport.kind=direct moves data through shared memory or CUDA/HIP IPC, "
-                          "so both sides of a boundary must be on one host; the RDMA (verbs) mover is not "
-                          "implemented yet: use tcp across nodes")
-    # auto is the CPU-forwarding channel: direct's IPC mover needs one vendor's
-    # runtime on both sides (true only when emulating), and it has no RDMA mover.
-    return "tcp" if kind == "auto" else kind
 
 
 @dataclass
@@ -211,7 +78,8 @@ class Topology:
         self.dp_group: Optional[dist.ProcessGroup] = None
         self.p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self.embedding_group: Optional[dist.ProcessGroup] = None
-        self.channels: dict[int, Channel] = {}
+        self.channels: dict[int, StageLink] = {}
+        self.store: Optional[dist.Store] = None  # the rendezvous store, from init_process_groups
 
     @property
     def pipeline_size(self) -> int:
@@ -272,8 +140,13 @@ class Topology:
         """Create the world, vendor, TP, DP, boundary and embedding groups (same order on every rank)."""
         if self.world_size == 1:
             return
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
+        # The store is kept for the channels' endpoint exchange and the job
+        # token; torch has no public way to get it back from the default
+        # group, so it is made here (torchrun's agent store under a launcher).
+        self.store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size))
+        # PrefixStore("default_pg"): the keys init_process_group would give the group itself.
+        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", self.store), rank=self.rank,
+                                world_size=self.world_size)
         for i, g in enumerate(self.cluster.groups):
             self.vendor_groups.append(self._new_group(self.cluster.group_ranks(i), g))
         for st in self.stages:
@@ -367,56 +240,32 @@ class Topology:
         token = os.environ.get("HETPIPE_JOB_TOKEN")
         if token:
             return token
-        store = dist.distributed_c10d._get_default_store()
         if self.rank == 0:
-            store.set("hetpipe/job_token", secrets.token_hex(16))
-        return store.get("hetpipe/job_token").decode()
+            self.store.set("hetpipe/job_token", secrets.token_hex(16))
+        return self.store.get("hetpipe/job_token").decode()
 
-    def build_channels(self) -> dict[int, Channel]:
-        """One channel per neighbouring *stage*, keyed by its pipeline index.
+    def build_channels(self) -> dict[int, StageLink]:
+        """One link per neighbouring *stage*, keyed by its pipeline index.
 
-        Underneath, each neighbouring rank gets the vendor group's own P2P
-        (same vendor) or the configured cross-vendor channel; a
-        :class:`RoutedChannel` maps a stage to those ranks.
+        This rank's routes give the ranks it sends to and receives from;
+        :func:`~hetpipe.comm.factory.build_rank_channels` gives each of them a
+        channel (the vendor group's own P2P, or the configured cross-vendor
+        channel), and a :class:`StageLink` maps a stage to those ranks.
         """
-        from hetpipe.comm.direct import DirectChannel
-        from hetpipe.comm.gloo import GlooChannel
-        from hetpipe.comm.p2p import TorchP2PChannel
-        from hetpipe.comm.routed import RoutedChannel
-        from hetpipe.comm.tcp import TcpChannel
-
-        t = self.cluster.transport
         token = self.job_token()  # on every rank: rank 0 may have no cross-vendor peer
-        names = {r: self.stage_name(r) for r in range(self.world_size)}
         targets: dict[int, list[int]] = {}
         sources: dict[int, int] = {}
         for s in self.neighbours:
             targets[s] = [dst for src, dst in self.routes(self.pp_rank, s) if src == self.rank]
             sources[s] = next(src for src, dst in self.routes(s, self.pp_rank) if dst == self.rank)
         peers = sorted({r for rs in targets.values() for r in rs} | set(sources.values()))
-        same = [r for r in peers if not self.is_cross_vendor(self.rank, r)]
-        cross = [r for r in peers if self.is_cross_vendor(self.rank, r)]
-        by_rank: dict[int, Channel] = {}
-        if same:
-            channel = TorchP2PChannel(self.rank, same, names, self.p2p_groups, deadline=t.deadline_s)
-            by_rank.update({r: channel for r in same})
-        kind = check_transport_available(self.cluster)
-        if cross:
-            if kind == "direct":
-                channel = DirectChannel(self.rank, cross, names, dist.distributed_c10d._get_default_store(),
-                                        token=token, deadline=t.deadline_s, device=self.device,
-                                        address=t.addresses[0])
-            elif kind == "tcp":
-                channel = TcpChannel(self.rank, cross, names, dist.distributed_c10d._get_default_store(),
-                                     token=token, addresses=list(t.addresses),
-                                     streams_per_address=t.streams_per_address,
-                                     deadline=t.deadline_s, device=self.device)
-            else:
-                channel = GlooChannel(self.rank, cross, names, None, deadline=t.deadline_s)
-            by_rank.update({r: channel for r in cross})
-        self._rank_channels = by_rank
+        self._rank_channels = build_rank_channels(
+            self.rank, same_vendor=[r for r in peers if not self.is_cross_vendor(self.rank, r)],
+            cross_vendor=[r for r in peers if self.is_cross_vendor(self.rank, r)],
+            names={r: self.stage_name(r) for r in range(self.world_size)}, store=self.store, cluster=self.cluster,
+            token=token, device=self.device, p2p_groups=self.p2p_groups)
         for s in self.neighbours:
-            self.channels[s] = RoutedChannel(self.rank, s, f"stage {s}", targets[s], sources[s], by_rank)
+            self.channels[s] = StageLink(self.rank, s, f"stage {s}", targets[s], sources[s], self._rank_channels)
         return self.channels
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hetpipe.checkpoint import restore, save_checkpoint, should_save
+from hetpipe.comm.factory import check_transport_available
 from hetpipe.comm.vendor import accelerator_name, detect_vendor
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
@@ -33,12 +34,18 @@ from hetpipe.metrics import MetricsLogger
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
+from hetpipe.models.parallelize import parallelize_tensor
+from hetpipe.parallel.checkpoint import gather_for_save, shard_fn
+from hetpipe.parallel.grad_reducer import GradReducer
+from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
+from hetpipe.parallel.zero1 import DistributedOptimizer
 from hetpipe.partitioner.catalog import detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
 from hetpipe.profiling import profile_step
 from hetpipe.schedules import build_schedule
-from hetpipe.topology import Topology, check_group_vendor, check_transport_available, resolve_plan
+from hetpipe.topology import Topology, check_group_vendor
 
 
 def lr_at(step: int, opt: OptimizerConfig, train_iters: int) -> float:
@@ -67,7 +74,7 @@ def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig, dev
     """AdamW; matrices get weight decay, norms and biases do not (as in Megatron).
 
     With ``opt.distributed`` and a DP group, the ZeRO-1
-    :class:`~hetpipe.parallel.data.DistributedOptimizer` shards the state over it.
+    :class:`~hetpipe.parallel.zero1.DistributedOptimizer` shards the state over it.
     """
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
     kwargs = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
@@ -78,8 +85,6 @@ def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig, dev
         {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
     ]
     if opt.distributed and dp_group is not None:
-        from hetpipe.parallel.data import DistributedOptimizer
-
         # Named, so its sharded state can be saved and loaded by parameter name.
         return DistributedOptimizer(groups, dp_group, weight_decay=opt.weight_decay, fused=fused, **kwargs)
     return torch.optim.AdamW([{**g, "params": [p for _, p in g["params"]]} for g in groups], fused=fused, **kwargs)
@@ -134,16 +139,14 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
 
 def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
     """This rank's model chunks: built whole from the seed, then cut to its TP shard."""
-    from hetpipe.parallel.tensor import parallelize_tensor
-
     ranges = plan.unit_ranges()
     P = plan.pipeline_size
     chunks = []
     for c in range(plan.num_chunks):
         chunk = build_model(cfg.model, seed=cfg.train.seed, units=ranges[c * P + topo.pp_rank], device=topo.device)
         if topo.tp_size > 1:
-            parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
-                               sequence_parallel=cfg.partition.sequence_parallel)
+            chunk = parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
+                                       sequence_parallel=cfg.partition.sequence_parallel)
         set_attention_backend(chunk, cfg.train.attention_backend)
         if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
             fuse_elementwise(chunk)
@@ -165,10 +168,6 @@ def _recv_ahead(cfg: PretrainConfig, topo: Topology) -> int:
 
 
 def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) -> list[float]:
-    from hetpipe.parallel.checkpoint import gather_for_save, shard_fn
-    from hetpipe.parallel.data import GradReducer
-    from hetpipe.parallel.tensor import finalize_tensor_parallel_grads
-
     t = cfg.train
     device = topo.device
     precision = resolve_precision(t.precision, device.type)

@@ -2,12 +2,19 @@
 stage holds, on which devices, with which parallelism.
 
 The device catalog and per-unit cost model (``catalog``, ``cost``, ``profile``)
-feed the solver (``solver``), whose result is a :class:`Plan` - data that
-``pretrain`` runs. ``plan_for`` is the one call a runner needs.
+price candidate layouts (``cost_context``); the search (``solver``) picks the
+best candidate and its exact layer split (``split``) under the planner's
+settings (``planner_config``), and ``report`` describes the result, a
+:class:`Plan` - data that ``pretrain`` runs. ``resolve.resolve_plan`` is the
+one call a runner needs: explicit overrides, ``plan=auto`` or a plan file,
+then the checks. The partitioner reads the runtime's configs only through the
+protocols in ``inputs``.
 """
 from hetpipe.partitioner.catalog import CATALOG, DeviceSpec, catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan, StagePlan, even_split
-from hetpipe.partitioner.solver import PlannerConfig, Solution, plan_for, solve
+from hetpipe.partitioner.planner_config import PlannerConfig
+from hetpipe.partitioner.report import Solution
+from hetpipe.partitioner.solver import plan_for, solve
 
 __all__ = ["CATALOG", "DeviceSpec", "catalog_with", "detect_device_type", "device_spec", "Plan", "StagePlan",
            "even_split", "PlannerConfig", "Solution", "plan_for", "solve"]

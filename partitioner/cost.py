@@ -29,8 +29,10 @@ from typing import Optional
 
 import numpy as np
 
+from hetpipe.models.layers import fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.catalog import DeviceSpec
+from hetpipe.precision import resolve_precision
 
 GIB = float(1 << 30)
 # Bytes per parameter in hetpipe's trainer (fp32 weights, fp32 grads, AdamW m and v).
@@ -103,9 +105,6 @@ class Precision:
                    compiled: bool = False) -> "Precision":
         """The trainer's rules: ``auto`` is bf16 on GPUs and fp32 on CPUs; fused
         elementwise kernels on GPUs unless whole layers are compiled."""
-        from hetpipe.models.layers import fuses_elementwise
-        from hetpipe.precision import resolve_precision
-
         device_type = "cpu" if spec.vendor == "cpu" else "cuda"
         mode = resolve_precision(precision, device_type)
         fused = fuses_elementwise(fuse_elementwise, device_type, compiled, local=False)

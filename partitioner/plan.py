@@ -16,8 +16,7 @@ from typing import List
 import yaml
 
 from hetpipe.errors import ConfigError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+from hetpipe.schedules import SCHEDULES
 
 
 @dataclass

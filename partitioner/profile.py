@@ -27,8 +27,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
+from hetpipe.comm.vendor import accelerator_name
 from hetpipe.errors import ConfigError
+from hetpipe.models import build_model
+from hetpipe.models.layers import fuse_elementwise as fuse_module, fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
+from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, compute_context, resolve_precision
 
 PROFILE_FORMAT = "hetpipe-profile/1"
 UNIT_KINDS = ("embedding", "layer", "head")
@@ -99,20 +105,11 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
 
     Returns (device name as the runtime reports it, profile entry).
     """
-    import torch
-
-    from hetpipe.comm.vendor import accelerator_name
-    from hetpipe.models import build_model
-
     if repeats < 1 or warmup < 1:
         # The first run allocates the gradient buffers; it is never measured.
         raise ConfigError("profiling needs repeats >= 1 and warmup >= 1")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    from hetpipe.precision import activation_dtype, cast_parameters, resolve_precision
-
-    from hetpipe.models.layers import fuse_elementwise as fuse, fuses_elementwise
-
     mode = resolve_precision(precision, device.type)
     fused = fuses_elementwise(fuse_elementwise, device.type, compiled=False)
     if mode != "fp32" and device.type == "cpu":
@@ -137,7 +134,7 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
         if mode == "bf16-pure":
             cast_parameters([module], torch.bfloat16)
         if fused:
-            fuse(module)
+            fuse_module(module)
         units[kind] = _measure(module, make_inputs, device, mode, repeats, warmup)
         del module
     entry = {"shape": profile_shape(model, seq_length, mode, fused),
@@ -147,10 +144,6 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
 
 
 def _measure(module, make_inputs, device, mode: str, repeats: int, warmup: int) -> dict:
-    import torch
-
-    from hetpipe.precision import Bf16Weights, compute_context
-
     cuda = device.type == "cuda"
     weights = Bf16Weights([module], fuse_linear_grads=True) if mode == "bf16" else None
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}

@@ -19,9 +19,10 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 
 from hetpipe.cluster import ClusterConfig, GroupConfig  # noqa: E402
-from hetpipe.pretrain_config import TrainConfig  # noqa: E402
 from hetpipe.models import model_preset  # noqa: E402
-from hetpipe.partitioner.solver import PlannerConfig, solve  # noqa: E402
+from hetpipe.partitioner.planner_config import PlannerConfig  # noqa: E402
+from hetpipe.partitioner.solver import solve  # noqa: E402
+from hetpipe.pretrain_config import TrainConfig  # noqa: E402
 
 
 def two_vendor_cluster(gpus: int) -> ClusterConfig:

@@ -43,6 +43,7 @@ Example (2xH200):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -51,6 +52,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from hetpipe.errors import HetpipeError
+from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.solver import solve
+from hetpipe.pretrain_config import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,15 +108,6 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
     """The cost model's step time for the plan a run used: same split, TP, DP,
     group order, transport and optimizer sharding (``python -m hetpipe.plan``
     with those fixed). Returns (seconds, "") or (None, why not)."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    from hetpipe.pretrain_config import resolve
-    from hetpipe.errors import HetpipeError
-    from hetpipe.partitioner.plan import Plan
-    from hetpipe.partitioner.solver import solve
-
     try:
         cfg = resolve(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
         plan = Plan.load(run_dir / "plan.yaml")

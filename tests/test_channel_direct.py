@@ -1,8 +1,9 @@
 """The device-direct channel's control plane between real processes, moving bytes through shared memory.
 
 The pytest process plays stage 0 and a spawned process stage 1 (or a rogue
-client that only knows the handshake). The shm mover is the CI data plane;
-the CUDA IPC mover cannot run here and is not exercised. Every wait is bounded.
+client that only knows the handshake). The shm mover is the CI data plane.
+The GPU IPC mover runs only where a GPU is visible (``-k gpu``; two processes
+on one GPU are enough) and is skipped in CI. Every wait is bounded.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,11 +20,15 @@ import torch.distributed as dist
 
 from channel_harness import NAMES, Ranks, bits_equal, make
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
-from hetpipe.comm.direct import DirectChannel
-from hetpipe.comm.movers import RegionHandle, ShmMover, make_mover
-from hetpipe.comm.tcp import REPLY_SIZE, encode_hello, lookup_endpoints
+from hetpipe.comm.direct import DirectChannel, make_mover
+from hetpipe.comm.handshake import REPLY_SIZE, encode_hello
+from hetpipe.comm.ipc_mover import IpcShare
+from hetpipe.comm.mover import RegionHandle
+from hetpipe.comm.rendezvous import lookup_endpoints
+from hetpipe.comm.shm_mover import ShmMover
 
 TOKEN = "job-2718-secret"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU IPC mover needs a GPU")
 
 CASES = [
     (torch.float32, (2, 64, 128)),
@@ -115,6 +121,26 @@ def same_shape_many(rank: int, store, count: int) -> int:
         return ch.mover.registrations
 
 
+def gpu_of(rank: int) -> torch.device:
+    """Each rank's GPU: its own where there are several, else both share GPU 0."""
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def echo_cases_on_gpu(rank: int, store, repeats: int) -> tuple[str, int]:
+    """Receive every case on the GPU as fwd and send it back as bwd, ``repeats`` times."""
+    device = gpu_of(rank)
+    torch.cuda.set_device(device)
+    with channel(rank, store, mover="auto", device=device) as ch:
+        for r in range(repeats):
+            for i, (dtype, shape) in enumerate(CASES):
+                mb = r * len(CASES) + i
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                ch.irecv(buf, 0, microbatch=mb, kind="fwd").wait()
+                ch.isend(buf, 0, microbatch=mb, kind="bwd").wait()
+        torch.cuda.synchronize(device)
+        return ch.mover.name, ch.mover.registrations
+
+
 # ------------------------------------------------------------- unit tests
 
 def test_region_handle_is_json_and_rejects_garbage():
@@ -155,7 +181,56 @@ def test_auto_picks_shm_without_a_cuda_device_and_unknown_movers_are_refused():
         make_mover("rdma", None)
 
 
+def test_gpu_ipc_description_is_json_and_rejects_garbage():
+    share = IpcShare(device=0, handle=b"h" * 64, size=4096, offset=512, ref_counter=b"/torch_123_456_0",
+                     ref_counter_offset=3, event=b"e" * 64, event_sync_required=True)
+    raw = share.to_bytes()
+    assert raw.startswith(b"{") and IpcShare.from_bytes(raw) == share
+    no_event = replace(share, event=None, event_sync_required=False)
+    assert IpcShare.from_bytes(no_event.to_bytes()) == no_event
+    with pytest.raises(ChannelError, match="malformed GPU IPC description from stage 1"):
+        IpcShare.from_bytes(b"\x80\x04cos\nsystem\n", sender=NAMES[1])
+    for bad in (replace(share, ref_counter=b"../../etc/passwd"), replace(share, size=0),
+                replace(share, handle=b""), replace(share, handle=b"h" * 4096)):
+        with pytest.raises(ChannelError, match="out of bounds"):
+            IpcShare.from_bytes(bad.to_bytes(), sender=NAMES[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_ipc_mover_without_a_gpu_is_refused_in_one_line():
+    with pytest.raises(ChannelError, match="needs a GPU; use mover='shm'"):
+        make_mover("ipc", None)
+
+
 # -------------------------------------------------------- two-process tests
+
+@needs_gpu
+@pytest.mark.timeout(90)
+def test_gpu_round_trip_through_ipc_is_bit_exact_and_reuses_regions():
+    device = gpu_of(0)
+    torch.cuda.set_device(device)
+    repeats = 3
+    with Ranks(echo_cases_on_gpu, [1], repeats, timeout=60.0) as ranks:
+        with channel(0, ranks.store, mover="auto", device=device) as ch:
+            assert ch.mover.name == ("ipc-hip" if torch.version.hip else "ipc-cuda")
+            for r in range(repeats):
+                for i, (dtype, shape) in enumerate(CASES):
+                    mb = r * len(CASES) + i
+                    sent = make(dtype, shape, seed=mb).to(device)
+                    back = torch.full(shape, 7, dtype=dtype, device=device)
+                    send = ch.isend(sent, 1, microbatch=mb, kind="fwd")
+                    recv = ch.irecv(back, 1, microbatch=mb, kind="bwd")
+                    send.wait()
+                    recv.wait()
+                    assert bits_equal(sent.cpu(), back.cpu()), f"{dtype} {shape} came back different"
+            registrations = ch.mover.registrations
+        name, peer_registrations = ranks.results()[1]
+    sizes = {torch.empty(shape, dtype=dtype).numel() * dtype.itemsize for dtype, shape in CASES}
+    sizes.discard(0)
+    assert name == ch.mover.name
+    # One region per message size, registered once and reused in every repeat.
+    assert registrations == peer_registrations == len(sizes)
+
 
 @pytest.mark.timeout(40)
 def test_round_trip_is_bit_exact_and_segments_are_unlinked():
@@ -289,8 +364,6 @@ def test_wrong_token_is_refused_while_the_real_peer_still_connects():
 
 
 def test_a_region_from_another_mover_or_runtime_is_refused_by_name():
-    from hetpipe.comm.movers import RegionHandle, ShmMover
-
     mover = ShmMover()
     try:
         with pytest.raises(ChannelError, match="registered a 'ipc-hip' region .* configure the same mover"):

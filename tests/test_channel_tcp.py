@@ -3,6 +3,7 @@
 The pytest process plays stage 0 (a real TcpChannel, or a rogue peer written
 with a raw socket and the channel's own header encoder); a spawned process
 plays stage 1. Every wait is bounded; the whole file stays under a minute.
+GPU tensors (pinned-host staging) run only where a GPU is visible (``-k gpu``).
 """
 from __future__ import annotations
 
@@ -26,18 +27,13 @@ from hetpipe.comm.channel import (
     encode_header,
     header_for,
 )
-from hetpipe.comm.tcp import (
-    ACCEPTED_REPLY,
-    MIN_PIECE_BYTES,
-    REPLY_SIZE,
-    TcpChannel,
-    encode_hello,
-    lookup_endpoints,
-    split_pieces,
-)
+from hetpipe.comm.handshake import ACCEPTED_REPLY, REPLY_SIZE, encode_hello
+from hetpipe.comm.rendezvous import lookup_endpoints
+from hetpipe.comm.tcp import MIN_PIECE_BYTES, TcpChannel, split_pieces
 
 TOKEN = "job-3141-secret"
 LOOPBACKS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned-host staging needs a GPU")
 
 # (dtype, shape) pairs every round trip carries; the last one is 16 MiB.
 CASES = [
@@ -68,6 +64,19 @@ def echo_cases(rank: int, store, addresses: list[str], streams: int) -> int:
             ch.irecv(buf, 0, microbatch=i, kind="fwd").wait()
             ch.isend(buf, 0, microbatch=i, kind="bwd").wait()
         return ch.nstreams
+
+
+def echo_cases_on_gpu(rank: int, store) -> bool:
+    """echo_cases with the tensors on the GPU, striped over two connections."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    with channel(rank, store, addresses=LOOPBACKS[:2], device=device) as ch:
+        for i, (dtype, shape) in enumerate(CASES):
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            ch.irecv(buf, 0, microbatch=i, kind="fwd").wait()
+            ch.isend(buf, 0, microbatch=i, kind="bwd").wait()
+        torch.cuda.synchronize(device)
+        return True
 
 
 def interleave(rank: int, store, count: int) -> list[int]:
@@ -245,6 +254,24 @@ def test_round_trip_is_bit_exact(addresses, streams):
                 assert send.done() and recv.done()
                 assert bits_equal(sent, back), f"{dtype} {shape} came back different"
         assert ranks.results()[1] == len(addresses) * streams
+
+
+@needs_gpu
+@pytest.mark.timeout(60)
+def test_gpu_round_trip_through_pinned_staging_is_bit_exact():
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with Ranks(echo_cases_on_gpu, [1], timeout=45.0) as ranks:
+        with channel(0, ranks.store, addresses=LOOPBACKS[:2], device=device) as ch:
+            for i, (dtype, shape) in enumerate(CASES):
+                sent = make(dtype, shape, seed=i).to(device)
+                back = torch.full(shape, 7, dtype=dtype, device=device)
+                send = ch.isend(sent, 1, microbatch=i, kind="fwd")
+                recv = ch.irecv(back, 1, microbatch=i, kind="bwd")
+                send.wait()
+                recv.wait()
+                assert bits_equal(sent.cpu(), back.cpu()), f"{dtype} {shape} came back different"
+        assert ranks.results()[1] is True
 
 
 @pytest.mark.timeout(40)

@@ -9,7 +9,7 @@ from hetpipe.pretrain_config import PartitionConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner.plan import Plan, even_split
-from hetpipe.topology import build_plan
+from hetpipe.partitioner.resolve import build_plan
 
 
 def _run(tmp_path, name, losses):

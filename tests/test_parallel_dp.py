@@ -1,4 +1,4 @@
-"""Data parallelism (hetpipe.parallel.data) against the single-process run.
+"""Data parallelism (hetpipe.parallel.grad_reducer, hetpipe.parallel.zero1) against the single-process run.
 
 Two real gloo ranks (spawned processes, FileStore in tmp_path) each run half
 of every global batch; the single-process reference runs all of it in each
@@ -16,7 +16,8 @@ import torch.distributed as dist
 from multiproc import collect
 
 from hetpipe.models import ModelConfig, build_model
-from hetpipe.parallel.data import DistributedOptimizer, GradReducer
+from hetpipe.parallel.grad_reducer import GradReducer
+from hetpipe.parallel.zero1 import DistributedOptimizer
 
 CTX = multiprocessing.get_context("spawn")
 WORLD = 2

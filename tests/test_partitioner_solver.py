@@ -9,10 +9,14 @@ from hetpipe.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner import solver
-from hetpipe.partitioner.cost import GIB, NetworkConfig, StageShape, static_bytes_per_param, unit_costs
+from hetpipe.partitioner.catalog import device_spec
+from hetpipe.partitioner.cost import GIB, NetworkConfig, Precision, StageShape, static_bytes_per_param, unit_costs
+from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import PROFILE_FORMAT, profile_shape
-from hetpipe.partitioner.solver import PlannerConfig, best_split, plan_for, solve
+from hetpipe.partitioner.solver import plan_for, solve
+from hetpipe.partitioner.split import best_split
 
 
 def paper_cluster(**transport) -> ClusterConfig:
@@ -25,7 +29,7 @@ def paper_cluster(**transport) -> ClusterConfig:
 
 def exhaustive(model, cluster, train, planner):
     """Solve every candidate the solver enumerates, without pruning; also check each bound."""
-    ctx = solver._Context(model, cluster, train, planner)
+    ctx = CostContext(model, cluster, train, planner)
     best = None
     for block in solver._enumerate(ctx, None):
         for row in range(len(block.stages)):
@@ -73,10 +77,10 @@ def _stage_memory_bytes(solution, planner, train):
     out = []
     for k, st in enumerate(solution.stages):
         g = [grp.name for grp in solution.cluster.groups].index(st.group)
-        spec = solver.device_spec(solution.cluster.groups[g].device_type)
+        spec = device_spec(solution.cluster.groups[g].device_type)
         uc = unit_costs(solution.model, spec, StageShape(st.tp, cand.micro_batch_size, train.seq_length,
                                                          cand.recompute),
-                        solver.cost.Precision.for_device(spec), planner.network)
+                        Precision.for_device(spec), planner.network)
         i, j = st.units
         static = uc.params[i:j].sum() * static_bytes_per_param(st.dp, planner.distributed_optimizer) \
             + 4 * uc.boundary_bytes

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hetpipe.partitioner.solver import best_split, evaluate_split
+from hetpipe.partitioner.split import best_split, evaluate_split
 
 INF = float("inf")
 

@@ -1,10 +1,20 @@
-"""Intra-stage parallelism applied to a built model chunk as a separate step.
+"""Intra-stage parallelism: tensor parallelism inside a pipeline stage, data
+parallelism across its replicas, and checkpoints under both.
 
-Each module here takes a :class:`hetpipe.models.CausalLM` chunk that was built
-and initialised with full weights (``build_model``) and rewires it in place,
-the way torchtitan's ``parallelize_*`` functions do, so the model code in
-``hetpipe.models`` never has to know about process groups:
+Model-independent pieces only; which module of a model is split how is the
+model's plan (:mod:`hetpipe.models.parallelize`), as torchtitan keeps a
+``parallelize`` per model, so the model code never sees a process group:
 
-* :mod:`hetpipe.parallel.tensor` - Megatron-style tensor (and sequence)
-  parallelism inside one pipeline stage.
+* :mod:`~hetpipe.parallel.tp_collectives` - Megatron's f/g (and sequence
+  parallelism's) autograd collectives, and the vocab-parallel cross-entropy;
+* :mod:`~hetpipe.parallel.tp_shards` - which slice of each parameter a TP
+  rank holds (a mark on the parameter), column/row-parallel linears cut from
+  a whole one, norm shares and the post-backward TP reductions;
+* :mod:`~hetpipe.parallel.grad_reducer` - bucketed DP gradient averaging that
+  overlaps backward;
+* :mod:`~hetpipe.parallel.zero1` - AdamW with its state sharded over DP (ZeRO-1);
+* :mod:`~hetpipe.parallel.checkpoint` - whole tensors from shards and back,
+  one writer per stage;
+* :mod:`~hetpipe.parallel.process_groups` - group facts and torch-version
+  shims both TP and DP use.
 """

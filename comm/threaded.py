@@ -1,0 +1,124 @@
+"""One base for the channels that move bytes on background threads: TCP, device-direct, gloo.
+
+Such a channel keeps per-peer state (sequence numbers, pending transfers, the
+first error) and runs a few threads per peer, and it must keep the same
+promises whatever its transport: a lost peer fails every pending transfer with
+it, with the first error only; posting to a failed peer fails at once instead
+of waiting out a deadline; ``close`` fails what is pending with a message
+saying so, stops every thread within a bounded join and is idempotent. This
+module keeps those promises once. A transport says what is pending
+(:meth:`ThreadedChannel._abandon`), how to cut a peer off
+(:meth:`ThreadedChannel._disconnect`) and what to free after its threads
+stopped (:meth:`ThreadedChannel._release`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Iterable, TypeVar
+
+from hetpipe.comm.channel import Channel, ChannelError, CompletionHandle
+
+log = logging.getLogger(__name__)
+
+# How long close() waits for all threads together; they are daemons, so one
+# stuck in a blocking call (gloo cannot cancel a receive) never holds up exit.
+_JOIN_SECONDS = 2.0
+
+
+@dataclass(eq=False, kw_only=True)
+class PeerState:
+    """What a threaded channel keeps per peer; a transport subclasses it for its own fields.
+
+    ``cond`` guards every field and wakes threads waiting for a posted
+    transfer; ``error`` is set once, by the first failure.
+    """
+
+    rank: int
+    name: str
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    threads: list[threading.Thread] = field(default_factory=list)
+    send_seq: int = 0
+    recv_seq: int = 0
+    error: ChannelError | None = None
+
+
+PeerT = TypeVar("PeerT", bound=PeerState)
+
+
+class ThreadedChannel(Channel, Generic[PeerT]):
+    """A :class:`Channel` whose transfers run on per-peer threads.
+
+    ``transport`` names the threads (``hetpipe-<transport>-<role>-<rank>-<peer>``).
+    A subclass fills ``self._peers`` with its :class:`PeerState` subclass,
+    starts each peer's threads with :meth:`_start_thread`, and implements
+    :meth:`_abandon` and :meth:`_disconnect`.
+    """
+
+    def __init__(self, rank: int, peers: Iterable[int], names: dict[int, str], deadline: float, *,
+                 transport: str) -> None:
+        super().__init__(rank, peers, names, deadline)
+        self.transport = transport
+        self._lock = threading.Lock()
+        # True from the start of close(): failures are then the close, not a lost peer.
+        self._closing = False
+        self._peers: dict[int, PeerT] = {}
+
+    def _start_thread(self, peer: PeerT, role: str, target: Callable[..., None], *args: object,
+                      suffix: str = "") -> None:
+        """Run ``target(peer, *args)`` on a daemon thread that :meth:`close` joins."""
+        thread = threading.Thread(target=target, args=(peer, *args), daemon=True,
+                                  name=f"hetpipe-{self.transport}-{role}-{self.rank}-{peer.rank}{suffix}")
+        peer.threads.append(thread)
+        thread.start()
+
+    def _posting_peer(self, peer: int) -> PeerT:
+        """The per-peer state a new transfer to or from ``peer`` is queued on."""
+        self.check_open(peer)
+        return self._peers[peer]
+
+    @abstractmethod
+    def _abandon(self, peer: PeerT) -> list[CompletionHandle]:
+        """Called with ``peer.cond`` held once ``peer`` failed: take every pending
+        transfer off ``peer`` and return the handles to fail."""
+
+    @abstractmethod
+    def _disconnect(self, peer: PeerT) -> None:
+        """After the pending handles failed: make ``peer``'s threads return
+        (queue sentinels, socket shutdown)."""
+
+    def _release(self) -> None:
+        """After close() joined every thread: free sockets, buffers, movers."""
+
+    def _fail_peer(self, peer: PeerT, error: ChannelError) -> None:
+        """Fail every pending transfer with ``peer`` and cut it off (first error wins)."""
+        with peer.cond:
+            if peer.error is not None:
+                return
+            if self._closing:
+                error = ChannelError(f"{self.name} closed its channel to {peer.name}")
+            peer.error = error
+            pending = self._abandon(peer)
+            peer.cond.notify_all()
+        if pending and not self._closing:
+            log.error("%s", error)
+        for handle in pending:
+            handle.set_failed(error)
+        self._disconnect(peer)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._closing = True
+        for peer in self._peers.values():
+            self._fail_peer(peer, ChannelError(f"{self.name} closed its channel"))
+        until = time.monotonic() + _JOIN_SECONDS
+        for peer in self._peers.values():
+            for thread in peer.threads:
+                thread.join(max(until - time.monotonic(), 0.0))
+        self._release()

@@ -1,0 +1,52 @@
+"""What the partitioner reads from the runtime's configs, named field by field.
+
+The planner and the plan resolver need a handful of training and partition
+settings. Naming exactly those here, as protocols, keeps the partitioner from
+importing the runtime's config schemas (``hetpipe.pretrain_config`` holds a
+``PlannerConfig`` and so imports the partitioner); ``TrainConfig``,
+``PartitionConfig`` and ``PretrainConfig`` satisfy them as they are, and a
+caller without them (a benchmark, a test) can pass any object with these fields.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Protocol
+
+from hetpipe.cluster import ClusterConfig
+from hetpipe.models.model_config import ModelConfig
+from hetpipe.partitioner.planner_config import PlannerConfig
+
+
+class TrainShape(Protocol):
+    """The training settings that shape costs, memory and the batch arithmetic."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    # The trainer's precision mode, fusion and compilation set bytes per
+    # weight and activation (cost.Precision.for_device).
+    precision: str
+    fuse_elementwise: Optional[bool]
+    compile: bool
+
+
+class PartitionRequest(Protocol):
+    """Explicit parallelism and split overrides (``partition.*``)."""
+
+    layers: Optional[List[int]]
+    schedule: str
+    num_chunks: int
+    tp: int
+    tp_per_group: Optional[List[int]]
+    dp: int
+
+
+class PlanRequest(Protocol):
+    """Everything a run's config says about its plan (``PretrainConfig`` has it)."""
+
+    model: ModelConfig
+    cluster: ClusterConfig
+    train: TrainShape
+    partition: PartitionRequest
+    # None: from ``partition``; "auto": the planner; otherwise a plan.yaml path.
+    plan: Optional[str]
+    planner: PlannerConfig

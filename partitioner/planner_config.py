@@ -1,0 +1,64 @@
+"""The planner's settings (``planner.*`` in ``pretrain`` and ``python -m hetpipe.plan``).
+
+A config schema of its own, apart from the solver, so that the runtime's
+config schemas (``hetpipe.pretrain_config``, ``hetpipe.plan``) can hold a
+``planner`` field without importing the search, and the search never imports
+them back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hetpipe.errors import ConfigError
+from hetpipe.partitioner.cost import NetworkConfig
+
+TRANSPORT_MODELS = ("auto", "direct", "cpu_forwarding")
+
+
+@dataclass
+class PlannerConfig:
+    # Fraction of dense peak reached by every device's compute; None takes the
+    # catalog's per-device figure. Ignored for devices with a profile.
+    efficiency: Optional[float] = None
+    # Profile JSON from `python -m hetpipe.plan profile`; measured costs replace
+    # the analytic ones for the device types and shapes it covers.
+    profile: Optional[str] = None
+    # Usable fraction of device memory (allocator fragmentation, the CUDA/HIP
+    # context and communicator buffers take the rest).
+    memory_headroom: float = 0.9
+    # Shard Adam's state over DP (Megatron's --use-distributed-optimizer).
+    distributed_optimizer: bool = False
+    # Full activation recomputation: None lets the solver choose.
+    recompute: Optional[bool] = None
+    # Fix the TP degree of every group; None searches the divisors of the head
+    # counts that fit in a node.
+    tp: Optional[int] = None
+    # Fix the DP degree; None searches it.
+    dp: Optional[int] = None
+    # Fix the pipeline stages per group, in the cluster's group order.
+    stages: Optional[List[int]] = None
+    # Fix the order of the groups along the pipeline (group names).
+    group_order: Optional[List[str]] = None
+    # Microbatch sizes to consider; None keeps train.micro_batch_size.
+    micro_batch_sizes: Optional[List[int]] = None
+    # How cross-vendor boundaries are costed: direct (device-direct), or
+    # cpu_forwarding; auto follows cluster.transport.kind as the runtime
+    # resolves it (auto and tcp are CPU-forwarding today).
+    transport: str = "auto"
+    # NIC, TCP and latency figures behind the boundary, TP and DP costs.
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    # Catalog overrides and extra devices: {H200: {efficiency: 0.6}, NEW: {...}}.
+    catalog: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.memory_headroom <= 1:
+            raise ConfigError(f"planner.memory_headroom={self.memory_headroom} must be in (0, 1]")
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
+            raise ConfigError(f"planner.efficiency={self.efficiency} must be in (0, 1]")
+        if self.transport not in TRANSPORT_MODELS:
+            raise ConfigError(f"planner.transport={self.transport!r} is not one of {TRANSPORT_MODELS}")
+        for name in ("tp", "dp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"planner.{name}={value} must be positive")

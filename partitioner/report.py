@@ -1,0 +1,130 @@
+"""What the planner tells its user: the chosen plan stage by stage, its predictions, and the plan as data.
+
+The search ends with one candidate and its split; :func:`build_solution`
+prices it once more in full (compute, collectives, boundary messages, bubble,
+memory and TFLOP/s per stage) for ``python -m hetpipe.plan``'s table, and
+:meth:`Solution.to_plan` turns it into the :class:`Plan` that ``pretrain``
+runs, with the predictions in its notes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hetpipe.cluster import ClusterConfig
+from hetpipe.models.flops import megatron_model_flops
+from hetpipe.models.model_config import ModelConfig
+from hetpipe.partitioner import cost
+from hetpipe.partitioner.cost_context import Candidate, CostContext
+from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.split import Split
+
+
+@dataclass
+class StageReport:
+    index: int
+    group: str
+    device_type: str
+    ranks: list[int]
+    tp: int
+    dp: int
+    layers: int
+    units: tuple[int, int]
+    # Per step: forward + backward (and recomputation) of all microbatches.
+    compute_s: float
+    # Per step, not overlapped with compute: TP collectives and the DP gradient sync + optimizer step.
+    comm_s: float
+    # Per step: this stage's boundary messages, overlapped with compute by the engine.
+    p2p_s: float
+    # Per step: the rest of the step time (pipeline fill, drain, waiting on the bottleneck).
+    bubble_s: float
+    memory_gib: float
+    usable_gib: float
+    tflops_per_gpu: float
+
+
+@dataclass
+class Solution:
+    model: ModelConfig
+    cluster: ClusterConfig
+    candidate: Candidate
+    split: Split
+    stages: list[StageReport]
+    step_s: float
+    tflops_per_gpu: float
+    tokens_per_s: float
+    gpus_used: int
+    group_order: list[str]
+    cost_source: dict[str, str]
+    # Catalog key of each group's devices (``auto`` resolved).
+    device_types: dict[str, str]
+    transport: str
+    idle_ranks: list[int]
+    global_batch_size: int
+    seq_length: int
+    # How many candidates the search solved exactly (the rest were pruned by their bound).
+    candidates_solved: int = 0
+    candidates_total: int = 0
+
+    def to_plan(self) -> Plan:
+        cand = self.candidate
+        notes: dict[str, Any] = {
+            "planner": "python -m hetpipe.plan",
+            "micro_batch_size": cand.micro_batch_size,
+            "num_microbatches": cand.num_microbatches,
+            "global_batch_size": self.global_batch_size,
+            "seq_length": self.seq_length,
+            "group_order": list(self.group_order),
+            "predicted_step_s": _round(self.step_s),
+            "predicted_tflops_per_gpu": _round(self.tflops_per_gpu),
+            "predicted_tokens_per_s": _round(self.tokens_per_s),
+            "cost_source": dict(self.cost_source),
+            "cross_vendor_transport": self.transport,
+        }
+        if list(self.group_order) != [g.name for g in self.cluster.groups if g.name in self.group_order]:
+            notes["reordered"] = ("the pipeline visits the groups in group_order, not in the cluster's "
+                                  "order; ranks keep the cluster's numbering")
+        if self.idle_ranks:
+            notes["idle_ranks"] = list(self.idle_ranks)
+        plan = Plan(stages=[StagePlan(group=s.group, ranks=list(s.ranks), layers=s.layers, tp=s.tp, dp=s.dp)
+                            for s in self.stages],
+                    schedule="1f1b", num_chunks=1, recompute=cand.recompute, notes=notes)
+        plan.check_model(self.model.num_layers)
+        return plan
+
+
+def build_solution(ctx: CostContext, cand: Candidate, split: Split) -> Solution:
+    """The chosen plan, stage by stage, with its predicted time and memory."""
+    _, sync, _, memory, capacity, links = ctx.problem(cand)
+    layout = cand.layout()
+    P, M, T = len(layout), cand.num_microbatches, split.step_s
+    alone = P == 1
+    stages, used = [], set()
+    for k, (g, j) in enumerate(layout):
+        i, jj = split.bounds[k], split.bounds[k + 1]
+        uc = ctx.unit_costs(g, cand.tp[g], cand.micro_batch_size, cand.recompute, alone)
+        n = cand.tp[g] * cand.dp
+        ranks = [ctx.starts[g] + j * n + r for r in range(n)]
+        used.update(ranks)
+        compute = M * float((uc.forward_s[i:jj] + uc.backward_s[i:jj]).sum())
+        comm = M * float(uc.tp_comm_s[i:jj].sum()) + float(sync[k, i, jj])
+        boundary = (links[k - 1] if k > 0 else 0.0) + (links[k] if k < P - 1 else 0.0)
+        stages.append(StageReport(
+            index=k, group=ctx.names[g], device_type=ctx.specs[g].name, ranks=ranks, tp=cand.tp[g], dp=cand.dp,
+            layers=(jj - i) - (i == 0) - (jj == ctx.num_units), units=(i, jj), compute_s=compute, comm_s=comm,
+            p2p_s=2 * M * boundary, bubble_s=max(0.0, T - compute - comm),
+            memory_gib=float(memory[k, i, jj]) / cost.GIB, usable_gib=float(capacity[k]) / cost.GIB,
+            tflops_per_gpu=M * float(uc.flops[i:jj].sum()) / T / 1e12))
+    gbs, seq = ctx.train.global_batch_size, ctx.train.seq_length
+    world = ctx.cluster.world_size
+    return Solution(
+        model=ctx.model, cluster=ctx.cluster, candidate=cand, split=split, stages=stages, step_s=T,
+        tflops_per_gpu=megatron_model_flops(ctx.model, gbs, seq) / T / len(used) / 1e12,
+        tokens_per_s=gbs * seq / T, gpus_used=len(used), group_order=[ctx.names[g] for g in cand.order],
+        cost_source=dict(ctx.cost_source), device_types=dict(zip(ctx.names, ctx.device_types)),
+        transport=ctx.transport,
+        idle_ranks=[r for r in range(world) if r not in used], global_batch_size=gbs, seq_length=seq)
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}")

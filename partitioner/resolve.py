@@ -1,0 +1,136 @@
+"""The plan's one way from a run's config to the engine: choose it, then check it.
+
+A run's plan comes from one of three places - the explicit ``partition``
+overrides (:func:`build_plan`), the cost-model planner (``plan=auto``) or a
+plan.yaml (``plan=PATH``) - and whichever it is, :func:`check_runnable` then
+refuses what this release cannot run. :func:`resolve_plan` is the entry
+point ``pretrain`` calls once, before any process starts; the ranks then
+receive the resolved plan as data.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from hetpipe.cluster import ClusterConfig
+from hetpipe.errors import ConfigError
+from hetpipe.models.model_config import ModelConfig
+from hetpipe.models.parallelize import check_tensor_parallel
+from hetpipe.partitioner.inputs import PartitionRequest, PlanRequest, TrainShape
+from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+from hetpipe.partitioner.solver import plan_for
+
+
+def group_tp_degrees(partition: PartitionRequest, cluster: ClusterConfig) -> list[int]:
+    """TP degree of each cluster group from ``partition.tp`` / ``partition.tp_per_group``."""
+    if partition.tp_per_group is None:
+        return [partition.tp] * len(cluster.groups)
+    if len(partition.tp_per_group) != len(cluster.groups):
+        raise ConfigError(f"partition.tp_per_group={list(partition.tp_per_group)} has "
+                          f"{len(partition.tp_per_group)} entries but cluster {cluster.name!r} has "
+                          f"{len(cluster.groups)} groups ({', '.join(g.name for g in cluster.groups)})")
+    return list(partition.tp_per_group)
+
+
+def build_plan(partition: PartitionRequest, cluster: ClusterConfig, model: ModelConfig) -> Plan:
+    """The plan from explicit overrides. Each vendor group is cut into
+    ``ranks / (TP x DP)`` pipeline stages of consecutive ranks (TP fastest,
+    then DP, as in Megatron's rank order), groups in cluster order; decoder
+    layers per stage from ``partition.layers`` or an even split."""
+    tps = group_tp_degrees(partition, cluster)
+    dp = partition.dp
+    physical: list[tuple[str, list[int], int]] = []
+    for i, g in enumerate(cluster.groups):
+        per_stage = tps[i] * dp
+        if g.size % per_stage:
+            raise ConfigError(f"group {g.name!r} has {g.size} ranks, not a multiple of TP{tps[i]} x DP{dp} = "
+                              f"{per_stage}; every stage of a group needs TP x DP ranks")
+        start = cluster.group_ranks(i)[0]
+        for j in range(g.size // per_stage):
+            physical.append((g.name, list(range(start + j * per_stage, start + (j + 1) * per_stage)), tps[i]))
+    p = len(physical)
+    if partition.num_chunks > 1 and p == 1:
+        raise ConfigError("partition.num_chunks > 1 (interleaving) needs at least two pipeline stages")
+    virtual = p * partition.num_chunks
+    layers = list(partition.layers) if partition.layers is not None else even_split(model.num_layers, virtual)
+    if len(layers) != virtual:
+        raise ConfigError(f"partition.layers={layers} has {len(layers)} entries but cluster {cluster.name!r} "
+                          f"gives {p} pipeline stage(s) (TP {tps}, DP {dp}) x num_chunks={partition.num_chunks} "
+                          f"= {virtual} (virtual) stages")
+    stages = []
+    for v, n in enumerate(layers):
+        group, ranks, tp = physical[v % p]
+        stages.append(StagePlan(group=group, ranks=list(ranks), layers=n, tp=tp, dp=dp))
+    plan = Plan(stages=stages, schedule=partition.schedule, num_chunks=partition.num_chunks)
+    plan.check_model(model.num_layers)
+    return plan
+
+
+def resolve_plan(cfg: PlanRequest) -> Plan:
+    """The plan a pretrain config asks for: ``plan=auto`` (the cost-model
+    planner, restricted to what this release runs: no recompute), ``plan=PATH``
+    (a plan.yaml), or the explicit ``partition`` settings."""
+    if cfg.plan is None:
+        plan = build_plan(cfg.partition, cfg.cluster, cfg.model)
+    elif cfg.plan == "auto":
+        planner = dataclasses.replace(cfg.planner, recompute=bool(cfg.planner.recompute))
+        plan = plan_for(cfg.model, cfg.cluster, cfg.train, planner)
+    else:
+        plan = Plan.load(cfg.plan)
+    plan.check_model(cfg.model.num_layers)
+    check_runnable(plan, cfg.cluster, cfg.train, cfg.model)
+    return plan
+
+
+def check_runnable(plan: Plan, cluster: ClusterConfig, train: TrainShape,
+                   model: Optional[ModelConfig] = None) -> None:
+    """Refuse plans this release cannot run, each with one sentence naming the problem."""
+    world = cluster.world_size
+    p = plan.pipeline_size
+    seen: dict[int, int] = {}
+    for v, stage in enumerate(plan.stages):
+        if len(stage.ranks) != stage.tp * stage.dp:
+            raise ConfigError(f"plan stage {v} has {len(stage.ranks)} ranks {stage.ranks} but TP{stage.tp} x "
+                              f"DP{stage.dp} needs {stage.tp * stage.dp}")
+        for r in stage.ranks:
+            if not 0 <= r < world:
+                raise ConfigError(f"plan stage {v} uses rank {r}, outside cluster {cluster.name!r} "
+                                  f"of {world} ranks")
+            if cluster.group_of(r)[1].name != stage.group:
+                raise ConfigError(f"plan stage {v} is on group {stage.group!r} but its rank {r} belongs to "
+                                  f"{cluster.group_of(r)[1].name!r}")
+        if v >= p:
+            first = plan.stages[v % p]
+            if stage.ranks != first.ranks or stage.tp != first.tp:
+                raise ConfigError(f"plan virtual stage {v} must sit on the ranks of stage {v % p} "
+                                  f"({first.ranks}, TP{first.tp}) with num_chunks={plan.num_chunks}")
+            continue
+        for r in stage.ranks:
+            if r in seen:
+                raise ConfigError(f"rank {r} is in both plan stage {seen[r]} and stage {v}")
+            seen[r] = v
+    idle = [r for r in range(world) if r not in seen]
+    if idle:
+        raise ConfigError(f"the plan leaves rank(s) {idle} of cluster {cluster.name!r} idle; this release needs "
+                          "every rank in a stage (shrink the cluster or change the plan)")
+    dps = sorted({s.dp for s in plan.stages})
+    if len(dps) > 1:
+        raise ConfigError(f"plan stages use different data-parallel degrees {dps}; DP must be equal across "
+                          "stages (each stage is replicated DP times and every replica runs the whole pipeline)")
+    dp = dps[0]
+    if train.global_batch_size % (train.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                          f"micro_batch_size={train.micro_batch_size} x DP{dp}")
+    if model is not None:
+        for tp in sorted({s.tp for s in plan.stages}):
+            check_tensor_parallel(model, tp)
+        if model.share_embeddings_and_output_weights and plan.stages[0].tp != plan.stages[-1].tp:
+            raise ConfigError(f"model {model.name!r} ties its embedding and output weights, so the first and "
+                              f"last stage need the same TP degree (got TP{plan.stages[0].tp} and "
+                              f"TP{plan.stages[-1].tp})")
+    if plan.recompute:
+        raise ConfigError("the plan turns on activation recomputation, which this release does not run yet")
+    mbs = plan.notes.get("micro_batch_size") if plan.notes else None
+    if mbs is not None and mbs != train.micro_batch_size:
+        raise ConfigError(f"the plan was made for micro_batch_size={mbs} but train.micro_batch_size="
+                          f"{train.micro_batch_size}; set train.micro_batch_size={mbs}")
