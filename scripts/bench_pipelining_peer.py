@@ -64,6 +64,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from hetpipe.data import MicrobatchLoader, demo_corpus
+from hetpipe.models import build_model
+from hetpipe.models.flops import megatron_model_flops
+from hetpipe.models.layers import rope_cos_sin
+from hetpipe.models.model_config import model_preset
+from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.trainer import build_optimizer, lr_at, seed_everything
+
 NAME = "pipelining_1f1b"
 NUM_STAGES = 2
 GIB = 2**30
@@ -142,8 +151,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace):
-    from hetpipe.models.model_config import model_preset
-
     cfg = model_preset(args.model, **_parse_assignments(args.set, "--set"))
     if args.seq_length > cfg.max_position_embeddings:
         raise SystemExit(f"bench_pipelining_peer: --seq-length {args.seq_length} exceeds model "
@@ -152,8 +159,6 @@ def model_config(args: argparse.Namespace):
 
 
 def optimizer_config(args: argparse.Namespace):
-    from hetpipe.pretrain_config import OptimizerConfig
-
     overrides = _parse_assignments(args.opt, "--opt")
     unknown = set(overrides) - {f.name for f in dataclasses.fields(OptimizerConfig)}
     if unknown:
@@ -162,8 +167,6 @@ def optimizer_config(args: argparse.Namespace):
 
 
 def make_plan(layers: Optional[str], num_layers: int):
-    from hetpipe.partitioner.plan import Plan, StagePlan, even_split
-
     counts = [int(x) for x in layers.split(",")] if layers else even_split(num_layers, NUM_STAGES)
     if len(counts) != NUM_STAGES:
         raise SystemExit(f"bench_pipelining_peer: --layers wants {NUM_STAGES} counts, got {layers!r}")
@@ -177,8 +180,6 @@ def make_plan(layers: Optional[str], num_layers: int):
 
 def _body(chunk, x: torch.Tensor) -> torch.Tensor:
     """The chunk's embedding and decoder layers (CausalLM.forward without the head)."""
-    from hetpipe.models.layers import rope_cos_sin
-
     x = chunk.embedding(x) if chunk.embedding is not None else x
     if chunk.layers:
         cos, sin = rope_cos_sin(chunk.inv_freq, x.shape[1], x.dtype)
@@ -355,11 +356,6 @@ def run_rank(rank: int, opts: argparse.Namespace, port: int, workdir: str) -> No
 def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: str) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from hetpipe.data import MicrobatchLoader
-    from hetpipe.models import build_model
-    from hetpipe.models.flops import megatron_model_flops
-    from hetpipe.trainer import build_optimizer, lr_at, seed_everything
-
     cfg = model_config(opts)
     opt_cfg = optimizer_config(opts)
     plan = make_plan(opts.layers, cfg.num_layers)
@@ -517,7 +513,6 @@ def summarise(opts: argparse.Namespace, cfg, plan, records: list[dict], oom: Opt
     if measured and not oom:
         step_time = sum(r["step_time_s"] for r in measured) / len(measured)
         tokens = opts.micro_batch_size * opts.microbatches * opts.seq_length
-        from hetpipe.models.flops import megatron_model_flops
         flops = megatron_model_flops(cfg, opts.micro_batch_size * opts.microbatches, opts.seq_length)
         result.update(step_time_s=step_time, tokens_per_s=tokens / step_time,
                       tflops_per_gpu=flops / step_time / NUM_STAGES / 1e12)
@@ -535,9 +530,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if opts.device == "cuda" and torch.cuda.device_count() < NUM_STAGES:
         raise SystemExit(f"bench_pipelining_peer: needs {NUM_STAGES} GPUs, found {torch.cuda.device_count()}")
     if opts.data == "demo":
-        from hetpipe.data import demo_corpus
         opts.data = demo_corpus(opts.tokenizer)  # built once here, not by both ranks at once
-    from hetpipe.data import MicrobatchLoader
     MicrobatchLoader(opts.data, opts.tokenizer, seq_length=opts.seq_length,
                      global_batch_size=opts.micro_batch_size * opts.microbatches,
                      micro_batch_size=opts.micro_batch_size, vocab_size=cfg.vocab_size, seed=opts.seed)
