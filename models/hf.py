@@ -5,7 +5,8 @@ Maps configs and state dicts in both directions for ``LlamaForCausalLM`` and
 HF keeps them apart, so the converter concatenates and splits along the output
 dimension. Both sides use the same rotate-half RoPE layout, so no permutation
 of the q/k rows is needed. Conversion is exact: export then import returns the
-same tensors bit for bit.
+same tensors bit for bit. Of the RoPE variants, plain RoPE and the "llama3"
+scaling of Llama 3.1 / 3.2 convert; any other rope_type is refused.
 """
 from __future__ import annotations
 
@@ -17,16 +18,37 @@ from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# HF's keys of a "llama3" rope_scaling -> our ModelConfig fields.
+_LLAMA3_FIELDS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                  "high_freq_factor": "rope_high_freq_factor",
+                  "original_max_position_embeddings": "rope_original_max_position_embeddings"}
 
 
-def _rope_theta(hf_config: Any) -> float:
-    # transformers >= 5 keeps rope settings in rope_parameters; 4.x in rope_theta.
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    if rope_type != "default" or scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ConfigError(f"HF config uses RoPE scaling {rope_type or scaling!r}, which hetpipe does not implement")
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+def _rope_fields(hf_config: Any) -> dict[str, Any]:
+    """ModelConfig's RoPE fields from an HF config's RoPE settings."""
+    # transformers >= 5 keeps every RoPE setting in rope_parameters (rope_scaling
+    # is an alias of it); 4.x keeps rope_theta apart and any scaling in
+    # rope_scaling, whose type key older configs spell "type".
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    fields: dict[str, Any] = {
+        "rotary_base": float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))}
+    if rope_type == "default":
+        return fields
+    if rope_type != "llama3":
+        raise ConfigError(f"HF config uses RoPE scaling {rope_type!r}, which hetpipe does not implement (only 'llama3')")
+    missing = [key for key in _LLAMA3_FIELDS if key not in params]
+    if missing:
+        raise ConfigError(f"HF config's llama3 RoPE scaling lacks {', '.join(missing)}")
+    fields["rope_scaling"] = "llama3"
+    for key, field in _LLAMA3_FIELDS.items():
+        fields[field] = int(params[key]) if key == "original_max_position_embeddings" else float(params[key])
+    return fields
+
+
+def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
+    """HF's rope_scaling dict for ``cfg``'s scaled RoPE."""
+    return {"rope_type": cfg.rope_scaling, **{key: getattr(cfg, field) for key, field in _LLAMA3_FIELDS.items()}}
 
 
 def to_hf_config(cfg: ModelConfig):
@@ -48,6 +70,10 @@ def to_hf_config(cfg: ModelConfig):
         hidden_act="silu",
         architectures=[_ARCHITECTURES[cfg.family]],
     )
+    if cfg.rope_scaling is not None:
+        # Both transformers 4.x and 5.x take rope_scaling (with rope_theta beside
+        # it); 5.x files it, theta included, under rope_parameters.
+        common["rope_scaling"] = _hf_rope_scaling(cfg)
     if cfg.family == "llama":
         return LlamaConfig(**common, head_dim=cfg.head_dim, attention_bias=cfg.add_qkv_bias,
                            mlp_bias=False)
@@ -80,7 +106,7 @@ def from_hf_config(hf_config: Any, name: str = "hf") -> ModelConfig:
         kv_channels=None if head_dim == hf_config.hidden_size // heads else head_dim,
         vocab_size=hf_config.vocab_size,
         max_position_embeddings=hf_config.max_position_embeddings,
-        rotary_base=_rope_theta(hf_config),
+        **_rope_fields(hf_config),
         norm_epsilon=hf_config.rms_norm_eps,
         add_qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),

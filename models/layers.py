@@ -85,6 +85,40 @@ def rope_inverse_frequencies(head_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** exponents)
 
 
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                              high_freq_factor: float, original_context: int) -> torch.Tensor:
+    """``inv_freq`` under the "llama3" scaling of Meta's Llama 3.1 release (the
+    rule transformers implements as ``_compute_llama3_parameters``).
+
+    A dimension whose wavelength (positions per full turn) exceeds
+    original_context / low_freq_factor never completed a turn in pretraining;
+    it is slowed by ``factor`` so that the longer context maps into the angles
+    it was trained on. One shorter than original_context / high_freq_factor
+    turned many times and encodes relative position; it is kept. Between the
+    two, the frequency is blended linearly in turns-per-original-context,
+    ``(1 - s) * f / factor + s * f`` with ``s`` going from 0 to 1 across the
+    band, so the spectrum has no jump.
+    """
+    turns = original_context * inv_freq / (2 * math.pi)  # = original_context / wavelength
+    # Clamping s to [0, 1] makes the band edges the two pure cases.
+    s = ((turns - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - s) * inv_freq / factor + s * inv_freq
+
+
+def model_rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The inverse frequencies ``cfg``'s RoPE rotates by (cfg.rope_scaling applied).
+
+    The eager and the fused (compiled ``rope_qkv``) paths both take their
+    cos/sin tables from these, through :func:`rope_cos_sin`.
+    """
+    inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rotary_base)
+    if cfg.rope_scaling == "llama3":
+        inv_freq = llama3_scaled_frequencies(
+            inv_freq, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max_position_embeddings)
+    return inv_freq
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, seq_length: int, dtype: torch.dtype):
     """cos/sin tables [seq, head_dim] for positions 0..seq_length-1."""
     positions = torch.arange(seq_length, device=inv_freq.device, dtype=torch.float32)

@@ -43,6 +43,26 @@ class ModelConfig:
     max_position_embeddings: int = 256
     # RoPE base (HF's rope_theta).
     rotary_base: float = 10000.0
+    # RoPE frequency scaling (the rope_type of HF's rope_scaling, called
+    # rope_parameters since transformers 5): None for plain RoPE, or "llama3",
+    # the rule of Meta's Llama 3.1 release that stretched an 8K-trained model
+    # to a 128K context. It slows only the rotations too slow to have turned
+    # fully within the original context, so the fast ones that resolve nearby
+    # positions stay as trained. The four fields below are read only under
+    # "llama3"; their defaults are Llama 3.1's, as in Megatron-LM (Llama 3.2
+    # uses factor 32).
+    rope_scaling: Optional[str] = None
+    # How many times slower the long-wavelength rotations turn (HF's factor).
+    rope_scaling_factor: float = 8.0
+    # Wavelengths longer than original context / low factor are slowed by the
+    # full factor, those shorter than original context / high factor are left
+    # alone, and the band between is interpolated smoothly (HF's
+    # low_freq_factor and high_freq_factor).
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    # The context the model was pretrained at before scaling (HF's
+    # original_max_position_embeddings).
+    rope_original_max_position_embeddings: int = 8192
     norm_epsilon: float = 1e-5
     # Qwen2 has biases on the q/k/v projections.
     add_qkv_bias: bool = False
@@ -82,6 +102,20 @@ class ModelConfig:
                 f"model.num_query_groups={self.num_query_groups}")
         if self.head_dim % 2:
             raise ConfigError(f"head size {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling not in (None, "llama3"):
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} is not supported (null or 'llama3')")
+        if self.rope_scaling == "llama3":
+            if self.rope_scaling_factor < 1:
+                raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be at least 1")
+            if self.rope_original_max_position_embeddings <= 0:
+                raise ConfigError("model.rope_original_max_position_embeddings="
+                                  f"{self.rope_original_max_position_embeddings} must be positive")
+            # The interpolation divides by high - low, and the fully scaled band
+            # starts at wavelength original context / low.
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and "
+                                  f"model.rope_high_freq_factor={self.rope_high_freq_factor} "
+                                  "must satisfy 0 < low < high")
 
     def num_parameters(self) -> int:
         """Exact parameter count of the full model (shared weights counted once)."""

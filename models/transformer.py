@@ -20,7 +20,7 @@ from torch import nn
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.models.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inverse_frequencies
+from hetpipe.models.layers import DecoderLayer, RMSNorm, model_rope_frequencies, rope_cos_sin
 from hetpipe.models.loss import fused_linear_cross_entropy
 
 
@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.unit_range = (start, stop)
         self.register_buffer(
-            "inv_freq", rope_inverse_frequencies(cfg.head_dim, cfg.rotary_base), persistent=False)
+            "inv_freq", model_rope_frequencies(cfg), persistent=False)
         self.embedding = Embedding(cfg) if start == 0 else None
         last_layer_unit = cfg.num_layers  # layer i is unit i + 1
         self.layers = nn.ModuleDict({

@@ -1,8 +1,16 @@
 """Our LLaMA / Qwen2 implementations against transformers' reference models."""
+import dataclasses
+import json
+import math
+import re
+
 import pytest
 import torch
 
+from conftest import run_cli
+from hetpipe.errors import ConfigError
 from hetpipe.models import CausalLM, ModelConfig, build_model, model_preset
+from hetpipe.models.layers import rope_inverse_frequencies
 from hetpipe.models.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
@@ -22,6 +30,14 @@ CASES = {
                              vocab_size=320, max_position_embeddings=64, rotary_base=1e6,
                              norm_epsilon=1e-6, add_qkv_bias=True),
     "qwen2_tied": model_preset("tiny_qwen2"),
+    # Llama 3.1's "llama3" RoPE scaling, with an original context of 64 so
+    # that head size 16's eight wavelengths (6.3 .. 19869 positions) fall in
+    # all three bands: kept (< 64/4), blended (16 .. 64), slowed 8x (> 64/1).
+    "llama3_scaled": ModelConfig(name="t", family="llama", num_layers=2, hidden_size=64,
+                                 ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
+                                 vocab_size=300, max_position_embeddings=128, rope_scaling="llama3",
+                                 rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                                 rope_high_freq_factor=4.0, rope_original_max_position_embeddings=64),
 }
 
 
@@ -91,4 +107,83 @@ def test_unsupported_hf_config_is_refused():
     hf_cfg = to_hf_config(model_preset("tiny_llama"))
     hf_cfg.hidden_act = "gelu"
     with pytest.raises(Exception, match="hidden_act"):
+        from_hf_config(hf_cfg)
+
+
+def test_llama3_rope_scaling_matches_transformers_beyond_the_original_context():
+    cfg = CASES["llama3_scaled"]
+    wavelengths = 2 * math.pi / rope_inverse_frequencies(cfg.head_dim, cfg.rotary_base)
+    original = cfg.rope_original_max_position_embeddings
+    kept = wavelengths < original / cfg.rope_high_freq_factor
+    slowed = wavelengths > original / cfg.rope_low_freq_factor
+    assert kept.any() and slowed.any() and (~kept & ~slowed).any()
+    hf = _hf_model(cfg, seed=4)
+    ours = CausalLM(cfg).eval()
+    ours.load_state_dict(from_hf_state_dict(cfg, hf.state_dict()), strict=True)
+    assert torch.equal(ours.inv_freq, hf.model.rotary_emb.inv_freq)
+    # Twice the original context: positions past it are what the scaling is for.
+    tokens = torch.randint(0, cfg.vocab_size, (2, 2 * original), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens)
+        plain = CausalLM(dataclasses.replace(cfg, rope_scaling=None)).eval()
+        plain.load_state_dict(ours.state_dict())
+        unscaled = plain(tokens)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # The scaling is not a no-op at this size, so the match above means something.
+    assert (unscaled - expected).abs().max() > 1e-3
+
+
+# config.json of meta-llama/Llama-3.1-8B, as its model card's repository ships it.
+LLAMA31_8B_CONFIG_JSON = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+def test_llama31_8b_config_imports_as_the_preset_and_exports_back(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG_JSON))
+    preset = model_preset("llama31_8b")
+    assert from_hf_config(transformers.AutoConfig.from_pretrained(str(tmp_path)), "llama31_8b") == preset
+    assert round(preset.num_parameters() / 1e9, 2) == 8.03
+    # What hetpipe.export writes reads back as the same model.
+    exported = tmp_path / "exported"
+    to_hf_config(preset).save_pretrained(str(exported))
+    assert from_hf_config(transformers.AutoConfig.from_pretrained(str(exported)), "llama31_8b") == preset
+
+
+def test_llama31_8b_preset_composes_through_hydra():
+    proc = run_cli(["-m", "hetpipe.pretrain", "+model=llama31_8b", "--cfg", "job"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for line in ("max_position_embeddings: 131072", "rotary_base: 500000.0", "rope_scaling: llama3",
+                 "rope_scaling_factor: 8.0", "rope_low_freq_factor: 1.0", "rope_high_freq_factor: 4.0",
+                 "rope_original_max_position_embeddings: 8192"):
+        assert line in proc.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"rope_scaling": "yarn"}, "model.rope_scaling='yarn' is not supported"),
+    ({"rope_scaling_factor": 0.5}, "model.rope_scaling_factor=0.5 must be at least 1"),
+    ({"rope_high_freq_factor": 1.0}, "must satisfy 0 < low < high"),
+    ({"rope_low_freq_factor": 0.0}, "must satisfy 0 < low < high"),
+    ({"rope_original_max_position_embeddings": 0}, "rope_original_max_position_embeddings=0 must be positive"),
+])
+def test_bad_rope_scaling_is_a_one_line_error(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        model_preset("llama31_8b", **override)
+    assert "\n" not in str(info.value)
+
+
+def test_other_hf_rope_scalings_are_refused():
+    hf_cfg = to_hf_config(model_preset("tiny_llama"))
+    hf_cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 128}
+    with pytest.raises(ConfigError, match="RoPE scaling 'yarn', which hetpipe does not implement"):
         from_hf_config(hf_cfg)
