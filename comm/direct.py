@@ -3,11 +3,18 @@
 The bytes of a boundary tensor never cross the control connection: a mover
 (:mod:`hetpipe.comm.mover`) writes them straight into the receiver's
 registered buffer (shared memory in CI, CUDA/HIP IPC between GPUs of one host,
-later RDMA). What remains is the hard part, and it lives here on the CPU:
+Mooncake's transfer engine between hosts: RDMA, or its TCP transport in CI).
+What remains is the hard part, and it lives here on the CPU:
 
 * one authenticated TCP control connection per peer pair, set up with the
-  same rendezvous and token handshake as :class:`~hetpipe.comm.tcp.TcpChannel`
-  (:mod:`hetpipe.comm.rendezvous`);
+  same rendezvous and mutual-authentication handshake as
+  :class:`~hetpipe.comm.tcp.TcpChannel` (:mod:`hetpipe.comm.rendezvous`). Its
+  control messages carry no per-message MAC: with the shm and IPC movers both
+  ends are on one host, where an attacker who can alter loopback traffic or
+  shared memory owns the host (and the bytes never cross the control
+  connection anyway); the Mooncake mover's data ports take writes without
+  the token, like any RDMA endpoint, so across hosts the job's fabric must be
+  trusted either way;
 * a receive protocol in three small messages. Posting ``irecv`` takes a
   receive buffer from the registration cache (registering a new one only for
   a size not seen before) and sends ``READY seq, region, offset, expected
@@ -38,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hetpipe.cluster import MOVERS
 from hetpipe.comm.channel import (
     HEADER_SIZE,
     MAGIC,
@@ -52,6 +60,7 @@ from hetpipe.comm.channel import (
 )
 from hetpipe.comm.handshake import check_token
 from hetpipe.comm.ipc_mover import GpuIpcMover
+from hetpipe.comm.mooncake_mover import MooncakeMover
 from hetpipe.comm.mover import Landing, Mover, RegionHandle
 from hetpipe.comm.rendezvous import connect_peers
 from hetpipe.comm.shm_mover import ShmMover
@@ -150,21 +159,26 @@ def _message(kind: int, seq: int, payload: bytes = b"") -> bytes:
     return _MSG.pack(MAGIC, kind, seq, len(payload)) + payload
 
 
-def make_mover(kind: str, device: torch.device | None) -> Mover:
-    """'shm', 'ipc', or 'auto' (IPC for a CUDA/ROCm device, shared memory for anything else)."""
+def make_mover(kind: str, device: torch.device | None, *, address: str = "127.0.0.1",
+               deadline: float = 300.0) -> Mover:
+    """One of :data:`~hetpipe.cluster.MOVERS`: 'auto' is IPC for a CUDA/ROCm device, shared memory for
+    anything else (one host); 'mooncake-*' is Mooncake's transfer engine over that protocol, reached at
+    ``address`` (any two hosts)."""
     if kind == "shm":
         return ShmMover()
     if kind == "ipc":
         return GpuIpcMover(device)
+    if kind in ("mooncake-tcp", "mooncake-rdma"):
+        return MooncakeMover(address=address, protocol=kind.split("-")[1], deadline=deadline, device=device)
     if kind != "auto":
-        raise ChannelError(f"unknown mover {kind!r}; expected 'auto', 'shm' or 'ipc'")
+        raise ChannelError(f"unknown mover {kind!r}; expected one of {MOVERS}")
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         return GpuIpcMover(device)
     return ShmMover()
 
 
 class DirectChannel(ThreadedChannel[_DirectPeer]):
-    """Boundary channel whose bytes move through ``mover`` ('auto', 'shm', 'ipc'), controlled over TCP.
+    """Boundary channel whose bytes move through ``mover`` (:data:`~hetpipe.cluster.MOVERS`), controlled over TCP.
 
     ``store`` and ``token`` play the same roles as for TcpChannel (every rank
     of the job uses the same token). ``deadline`` bounds the rendezvous and is
@@ -172,7 +186,7 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
     tensors live on; with ``mover='auto'`` a GPU selects the GPU IPC mover,
     anything else shared memory. Both peers of a pair must be on one host for
     the shm and IPC movers. ``address`` is the local address of the control
-    connections.
+    connections (and of the Mooncake engine).
     """
 
     def __init__(self, rank: int, peers: list[int], names: dict[int, str], store: dist.Store, token: str,
@@ -181,7 +195,8 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
         super().__init__(rank, peers, names, deadline, transport="direct")
         secret = check_token(token, "DirectChannel")
         self.device = torch.device(device) if device is not None else None
-        self.mover = mover if isinstance(mover, Mover) else make_mover(mover, self.device)
+        self.mover = mover if isinstance(mover, Mover) else make_mover(mover, self.device, address=address,
+                                                                       deadline=self.deadline)
         self._cache = _BufferCache(self.mover)
         try:
             # One control connection per peer pair (stream 0); the prefix keeps
@@ -192,7 +207,7 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
         except BaseException:
             self.mover.close()
             raise
-        self._peers = {p: _DirectPeer(rank=p, name=self.name_of(p), sock=sockets[(p, 0)]) for p in self.peers}
+        self._peers = {p: _DirectPeer(rank=p, name=self.name_of(p), sock=sockets[(p, 0)].sock) for p in self.peers}
         for state in self._peers.values():
             state.sock.settimeout(None)
             self._start_thread(state, "read", self._reader_loop)

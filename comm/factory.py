@@ -7,50 +7,129 @@ per-direction process groups, cross-vendor neighbours one channel of the
 configured kind (``cluster.transport.kind``). Keeping that knowledge here
 keeps the topology to ranks, groups and routes (like torchtitan's
 ``ParallelDims``) and the engine to stages.
+
+The socket channels (tcp, direct) listen on and publish this node's own NICs
+as ``cluster.transport`` selects them, resolved and checked at start-up by
+the topology (:mod:`hetpipe.comm.nics`): one config file names NICs by
+interface or subnet, each node resolves its own addresses, and an address no
+peer could dial is refused before it is published, not found out as a
+connect timeout on the other node.
+
+A ``direct`` boundary's mover is chosen per boundary (:func:`choose_mover`)
+from what both ends publish in the store before any channel is built (their
+network stack, GPU runtime and whether Mooncake's RDMA transport can run), so
+both ends choose alike without another round trip; one line per boundary
+says what was chosen and why.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import json
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.comm.channel import Channel
+from hetpipe.comm.channel import Channel, ChannelError
 from hetpipe.comm.direct import DirectChannel
 from hetpipe.comm.gloo import GlooChannel
+from hetpipe.comm.mooncake_mover import rdma_unavailable_reason
+from hetpipe.comm.nics import Nic
 from hetpipe.comm.p2p import TorchP2PChannel
 from hetpipe.comm.tcp import TcpChannel
+from hetpipe.comm.threaded import ThreadedChannel
 from hetpipe.errors import ConfigError
+from hetpipe.nodes import network_identity
+
+_FACTS_KEY = "hetpipe/direct_facts/{}"
 
 
 def check_transport_available(cluster: ClusterConfig) -> str:
     """The cross-vendor channel kind this release runs for ``cluster.transport.kind``
     ('tcp', 'direct' or 'gloo'); a :class:`ConfigError` if it cannot run on ``cluster``."""
-    kind = cluster.transport.kind
-    if kind == "direct" and not cluster.single_node:
-        raise ConfigError("cluster.transport.kind=direct moves data through shared memory or CUDA/HIP IPC, "
-                          "so both sides of a boundary must be on one host; the RDMA (verbs) mover is not "
-                          "implemented yet: use tcp across nodes")
+    kind, mover = cluster.transport.kind, cluster.transport.mover
+    if kind == "direct" and mover in ("shm", "ipc") and not cluster.single_node:
+        raise ConfigError(f"cluster.transport.mover={mover} maps memory of one host, but this cluster spans "
+                          "nodes: use mover=auto (Mooncake over RDMA where both ends have it, else tcp) or a "
+                          "mooncake mover")
     # auto is the CPU-forwarding channel: direct's IPC mover needs one vendor's
-    # runtime on both sides (true only when emulating), and it has no RDMA mover.
+    # runtime on both sides (true only when emulating), and its RDMA path is
+    # not verified by hetpipe's tests (kind=direct opts in).
     return "tcp" if kind == "auto" else kind
+
+
+@dataclass(frozen=True)
+class MoverFacts:
+    """What a rank publishes so both ends of a direct boundary choose the same mover."""
+
+    network: str  # nodes.network_identity(): equal exactly when two ranks share a host's network stack
+    runtime: str  # 'cpu', 'cuda' or 'hip': IPC maps memory of one runtime only
+    rdma: str | None  # why Mooncake over RDMA cannot run on this rank; None where it can
+
+    @classmethod
+    def local(cls, device: torch.device) -> "MoverFacts":
+        runtime = "cpu" if device.type != "cuda" else ("hip" if torch.version.hip else "cuda")
+        return cls(network_identity(), runtime, rdma_unavailable_reason(device))
+
+
+def choose_mover(a: MoverFacts, b: MoverFacts) -> tuple[str, str]:
+    """(mover, why) for a direct boundary between ranks with facts ``a`` and ``b`` under
+    ``cluster.transport.mover=auto``; the mover is the same for (b, a), so both ends agree.
+    Mover 'tcp' means the boundary falls back to the tcp channel."""
+    if a.network == b.network:
+        if a.runtime == b.runtime:
+            return "auto", "one host: " + ("shared memory" if a.runtime == "cpu" else f"{a.runtime.upper()} IPC")
+        return "tcp", f"one host, but IPC cannot map {a.runtime} memory into a {b.runtime} rank"
+    missing = sorted(r for r in (a.rdma, b.rdma) if r is not None)
+    if not missing:
+        return "mooncake-rdma", ("two hosts, both with RDMA; RDMA, GPU memory over RDMA and ROCm are not "
+                                 "verified by hetpipe's tests (docs/architecture.md)")
+    return "tcp", f"two hosts, no RDMA on one end: {missing[0]}"
+
+
+def exchange_mover_facts(store: dist.Store, rank: int, peers: Sequence[int], mine: MoverFacts,
+                         names: Mapping[int, str], deadline: float) -> dict[int, MoverFacts]:
+    """Publish ``mine`` and read each peer's, waiting at most ``deadline`` s."""
+    store.set(_FACTS_KEY.format(rank), json.dumps(asdict(mine)))
+    keys = [_FACTS_KEY.format(p) for p in peers]
+    try:
+        store.wait(keys, timedelta(seconds=deadline))
+    except RuntimeError:  # torch's DistStoreError on timeout
+        late = [names[p] for p, k in zip(peers, keys) if not store.check([k])]
+        raise ChannelError(f"{names[rank]} waited {deadline:g} s for {', '.join(late)} to say which direct "
+                           "movers it can run (cluster.transport.deadline_s)") from None
+    facts = {}
+    for p, key in zip(peers, keys):
+        try:
+            facts[p] = MoverFacts(**json.loads(store.get(key).decode()))
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise ChannelError(f"{names[p]} published malformed mover facts: {exc}") from None
+    return facts
 
 
 def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: Sequence[int],
                         names: Mapping[int, str], store: dist.Store, cluster: ClusterConfig, token: str,
-                        device: torch.device,
-                        p2p_groups: Mapping[tuple[int, int], dist.ProcessGroup]) -> dict[int, Channel]:
+                        device: torch.device, p2p_groups: Mapping[tuple[int, int], dist.ProcessGroup],
+                        nics: Sequence[Nic],
+                        on_failure: Callable[[ChannelError], None] | None = None) -> dict[int, Channel]:
     """The channel to each of ``same_vendor`` and ``cross_vendor`` (global ranks), keyed by rank.
 
     ``names`` names every rank in errors; ``store`` is the job's rendezvous
     store (socket channels publish their endpoints there) and ``token`` the
     job's shared secret for their handshakes; ``p2p_groups`` maps each ordered
-    (sender, receiver) pair of same-vendor ranks to its process group. The
+    (sender, receiver) pair of same-vendor ranks to its process group;
+    ``nics`` are this node's channel NICs (resolved and checked by the
+    topology), whose addresses the socket channels listen on and publish. ``on_failure``
+    hears of a cross-vendor peer that fails mid-transfer
+    (:meth:`~hetpipe.comm.threaded.ThreadedChannel.notify_failures`). The
     whole ``cluster`` is taken because whether a transport runs depends on
-    it (``direct`` needs one host). Ranks that share a transport share one
-    channel object: close each distinct channel once.
+    it (``direct`` chooses a mover per boundary). Ranks that share a
+    transport share one channel object: close each distinct channel once.
     """
+    addresses = [nic.address for nic in nics]
     transport = cluster.transport
     kind = check_transport_available(cluster)
     by_rank: dict[int, Channel] = {}
@@ -60,15 +139,33 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
         by_rank.update({r: p2p for r in same_vendor})
     if cross_vendor:
         peers = list(cross_vendor)
-        if kind == "direct":
-            cross: Channel = DirectChannel(rank, peers, dict(names), store, token=token,
-                                           deadline=transport.deadline_s, device=device,
-                                           address=transport.addresses[0])
-        elif kind == "tcp":
-            cross = TcpChannel(rank, peers, dict(names), store, token=token, addresses=list(transport.addresses),
-                               streams_per_address=transport.streams_per_address,
-                               deadline=transport.deadline_s, device=device)
-        else:
-            cross = GlooChannel(rank, peers, dict(names), None, deadline=transport.deadline_s)
-        by_rank.update({r: cross for r in cross_vendor})
+        choices = {p: (kind, f"cluster.transport.kind={kind}") for p in peers}
+        if kind == "direct" and transport.mover == "auto":
+            mine = MoverFacts.local(device)
+            facts = exchange_mover_facts(store, rank, peers, mine, names, transport.deadline_s)
+            choices = {p: choose_mover(facts[p], mine) for p in peers}
+        elif kind == "direct":
+            choices = {p: (transport.mover, f"cluster.transport.mover={transport.mover}") for p in peers}
+        for mover in sorted({mover for mover, _ in choices.values()}):
+            group = [p for p in peers if choices[p][0] == mover]
+            if mover == "gloo":
+                cross: Channel = GlooChannel(rank, group, dict(names), None, deadline=transport.deadline_s)
+            elif mover == "tcp":
+                cross = TcpChannel(rank, group, dict(names), store, token=token, addresses=addresses,
+                                   streams_per_address=transport.streams_per_address,
+                                   deadline=transport.deadline_s, device=device, message_mac=transport.message_mac)
+            else:
+                # Each mover's channel meets its peers under its own prefix: a rank may hold several.
+                cross = DirectChannel(rank, group, dict(names), dist.PrefixStore(f"hetpipe/mover/{mover}", store),
+                                      token=token, mover=mover, deadline=transport.deadline_s, device=device,
+                                      address=addresses[0])
+            if kind == "direct":
+                label = "tcp channel (fallback)" if mover == "tcp" else f"direct channel, mover {mover}"
+                for p in group:
+                    if rank < p:  # one line per boundary, from its lower rank
+                        print(f"hetpipe: boundary {names[rank]} <-> {names[p]}: {label}: {choices[p][1]}",
+                              file=sys.stderr, flush=True)
+            if on_failure is not None and isinstance(cross, ThreadedChannel):
+                cross.notify_failures(on_failure)
+            by_rank.update({r: cross for r in group})
     return by_rank

@@ -3,17 +3,20 @@
 The socket-based channels (CPU-forwarding :mod:`hetpipe.comm.tcp`, and the
 device-direct channel's control connections) need the same thing before their
 first message: one connection per (peer, stream), each one bound to a local
-address (that is what pins a stream to a NIC) and each one past the job-token
-handshake (:mod:`hetpipe.comm.handshake`). :func:`connect_peers` does it in one
+address (that is what pins a stream to a NIC) and each one past the mutual
+challenge-response handshake (:mod:`hetpipe.comm.handshake`), which yields the
+connection's session keys; the store only says where to dial, and whoever
+answers there must prove the job secret. :func:`connect_peers` does it in one
 deadline: every rank listens on one socket per local address and publishes
 the endpoints in the job's store, accepts from lower-ranked peers and dials
 higher-ranked ones, so each pair connects exactly once and nobody waits on
 somebody who waits on them.
 
 The accepting side is one selector loop over the listeners and every
-half-finished handshake, so garbage, silent or wrong-token clients never delay
-the legitimate peer, and a connection that has not finished its hello within
-``_HANDSHAKE_SECONDS`` is dropped.
+half-finished handshake, so garbage, silent or wrong-secret clients never delay
+the legitimate peer: each is dropped and logged once, and the loop keeps
+waiting for the real peer until the deadline. A connection that has not
+finished its handshake within ``_HANDSHAKE_SECONDS`` is dropped.
 """
 from __future__ import annotations
 
@@ -30,12 +33,12 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
-from hetpipe.comm.handshake import Verdict, decode_hello, encode_reply, hello_missing, introduce, judge
+from hetpipe.comm.handshake import Responder, Session, introduce
 from hetpipe.comm.sockets import tune
 
 log = logging.getLogger(__name__)
 
-# A connection that has not finished its hello by then is dropped, so a
+# A connection that has not finished its handshake by then is dropped, so a
 # half-open or silent client cannot hold an acceptor slot forever.
 _HANDSHAKE_SECONDS = 10.0
 
@@ -82,37 +85,41 @@ class _Party:
 
 def connect_peers(store: dist.Store, *, rank: int, peers: Sequence[int], name_of: Callable[[int], str],
                   addresses: Sequence[str], streams_per_address: int, token: bytes,
-                  deadline: float) -> dict[tuple[int, int], socket.socket]:
-    """Authenticated, blocking connections to every peer, keyed (peer, stream index).
+                  deadline: float) -> dict[tuple[int, int], Session]:
+    """Authenticated, blocking connections to every peer and their session keys, keyed (peer, stream index).
 
     Stream ``j`` of each pair goes from local address ``j % len(addresses)``
     to the peer's address of the same index, so every rank of the job must
     configure the same number of addresses and the same
-    ``streams_per_address``. ``name_of`` names a rank in errors. Everything
+    ``streams_per_address``. ``name_of`` names a rank in errors; ``token``
+    is the job secret, which never leaves this process. Everything
     happens within ``deadline`` seconds; on failure no socket is left open.
     """
     me = _Party(rank, name_of, tuple(addresses), streams_per_address, token, deadline)
     until = time.monotonic() + deadline
     listeners: list[socket.socket] = []
-    sockets: dict[tuple[int, int], socket.socket] = {}
+    sockets: dict[tuple[int, int], Session] = {}
     try:
         listeners = _listen(me)
+        # The address each listener was bound to, not its getsockname(): a
+        # listener bound to a wildcard would publish 0.0.0.0, which no peer can
+        # dial (comm/nics.py refuses wildcards before this point).
         store.set(endpoint_key(rank), json.dumps({
             "streams_per_address": streams_per_address,
-            "endpoints": [list(s.getsockname()[:2]) for s in listeners]}))
+            "endpoints": [[address, s.getsockname()[1]] for address, s in zip(me.addresses, listeners)]}))
         acceptor = _Acceptor(me, listeners, [p for p in peers if p < rank], until)
         acceptor.start()
         try:
             for peer in (p for p in peers if p > rank):
-                for j, sock in enumerate(_connect(me, store, peer, until)):
-                    sockets[(peer, j)] = sock
+                for j, session in enumerate(_connect(me, store, peer, until)):
+                    sockets[(peer, j)] = session
         except BaseException:
             acceptor.abort()
             raise
         sockets.update(acceptor.finish(until))
     except BaseException:
-        for sock in sockets.values():
-            sock.close()
+        for session in sockets.values():
+            session.sock.close()
         raise
     finally:
         for sock in listeners:
@@ -138,7 +145,7 @@ def _listen(me: _Party) -> list[socket.socket]:
     return listeners
 
 
-def _connect(me: _Party, store: dist.Store, peer: int, until: float) -> list[socket.socket]:
+def _connect(me: _Party, store: dist.Store, peer: int, until: float) -> list[Session]:
     """Open and authenticate this rank's connections to a higher-ranked peer."""
     peer_name = me.name_of(peer)
     streams, endpoints = lookup_endpoints(store, peer, until - time.monotonic())
@@ -147,18 +154,20 @@ def _connect(me: _Party, store: dist.Store, peer: int, until: float) -> list[soc
             f"{me.name} uses {len(me.addresses)} addresses x {me.streams_per_address} streams but "
             f"{peer_name} uses {len(endpoints)} x {streams}: configure the same on every rank")
     sockets: list[socket.socket] = []
+    sessions: list[Session] = []
     try:
         for j in range(me.nstreams):
             a = j % len(me.addresses)
             sock = _dial(me, me.addresses[a], endpoints[a], peer_name, until)
             sockets.append(sock)
-            introduce(sock, rank=me.rank, stream=j, nstreams=me.nstreams, token=me.token, until=until,
-                      own_name=me.name, peer_name=peer_name)
+            sessions.append(Session(sock, introduce(sock, rank=me.rank, peer=peer, stream=j, nstreams=me.nstreams,
+                                                    secret=me.token, until=until, own_name=me.name,
+                                                    peer_name=peer_name)))
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
-    return sockets
+    return sessions
 
 
 def _dial(me: _Party, local: str, remote: tuple[str, int], peer_name: str, until: float) -> socket.socket:
@@ -199,13 +208,13 @@ class _Acceptor(threading.Thread):
         self.listeners = listeners
         self.expected = {(p, j) for p in peers for j in range(me.nstreams)}
         self.until = until
-        self.accepted: dict[tuple[int, int], socket.socket] = {}
+        self.accepted: dict[tuple[int, int], Session] = {}
         self.error: ChannelError | None = None
         self._halt = threading.Event()
 
     def run(self) -> None:
         sel = selectors.DefaultSelector()
-        pending: dict[socket.socket, tuple[bytearray, float]] = {}
+        pending: dict[socket.socket, tuple[Responder, float]] = {}
         try:
             for sock in self.listeners:
                 sel.register(sock, selectors.EVENT_READ, None)
@@ -218,10 +227,11 @@ class _Acceptor(threading.Thread):
                     if key.data is None:
                         self._accept(key.fileobj, sel, pending)
                     else:
-                        self._read_hello(key.fileobj, sel, pending)
+                        self._read_handshake(key.fileobj, sel, pending)
                 for sock, (_, started) in list(pending.items()):
                     if time.monotonic() - started > _HANDSHAKE_SECONDS:
-                        self._drop(sock, sel, pending)
+                        self._refuse(sock, sel, pending, f"did not finish the handshake within "
+                                                         f"{_HANDSHAKE_SECONDS:g} s")
         except Exception as exc:  # never leave the constructor waiting on a dead thread
             self.error = ChannelError(f"{self.me.name} failed while accepting connections: {exc}")
         finally:
@@ -229,7 +239,7 @@ class _Acceptor(threading.Thread):
                 self._drop(sock, sel, pending)
             sel.close()
 
-    def finish(self, until: float) -> dict[tuple[int, int], socket.socket]:
+    def finish(self, until: float) -> dict[tuple[int, int], Session]:
         """Wait for the loop, then hand over the authenticated sockets or raise its error."""
         self.join(max(until - time.monotonic(), 0.0) + 1.0)
         self._halt.set()
@@ -245,8 +255,8 @@ class _Acceptor(threading.Thread):
         """Stop accepting and close whatever was accepted (setup failed elsewhere)."""
         self._halt.set()
         self.join(1.0)
-        for sock in self.accepted.values():
-            sock.close()
+        for session in self.accepted.values():
+            session.sock.close()
 
     def _timeout_error(self) -> ChannelTimeout:
         missing = sorted({p for p, _ in self.expected - self.accepted.keys()})
@@ -256,73 +266,70 @@ class _Acceptor(threading.Thread):
             f"({len(self.accepted)} of {len(self.expected)} connections arrived)")
 
     def _accept(self, listener: socket.socket, sel: selectors.BaseSelector,
-                pending: dict[socket.socket, tuple[bytearray, float]]) -> None:
+                pending: dict[socket.socket, tuple[Responder, float]]) -> None:
         while True:
             try:
-                conn, _ = listener.accept()
+                conn, remote = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # e.g. out of descriptors: keep serving the rest
                 log.warning("%s: accept failed: %s", self.me.name, exc)
                 return
             conn.setblocking(False)
-            pending[conn] = (bytearray(), time.monotonic())
-            sel.register(conn, selectors.EVENT_READ, "hello")
+            responder = Responder(secret=self.me.token, rank=self.me.rank, nstreams=self.me.nstreams,
+                                  local=conn.getsockname(), remote=remote, expects=self._expects)
+            pending[conn] = (responder, time.monotonic())
+            sel.register(conn, selectors.EVENT_READ, "handshake")
 
-    def _read_hello(self, conn: socket.socket, sel: selectors.BaseSelector,
-                    pending: dict[socket.socket, tuple[bytearray, float]]) -> None:
-        buf, _ = pending[conn]
-        want = hello_missing(buf)  # > 0: a complete or foreign hello never stays pending
+    def _expects(self, rank: int, stream: int) -> bool:
+        return (rank, stream) in self.expected and (rank, stream) not in self.accepted
+
+    def _read_handshake(self, conn: socket.socket, sel: selectors.BaseSelector,
+                        pending: dict[socket.socket, tuple[Responder, float]]) -> None:
+        responder, _ = pending[conn]
         try:
-            # Read exactly what the hello still lacks: frames that follow belong to the channel.
-            chunk = conn.recv(want)
+            # Read exactly what the handshake message lacks: frames that follow belong to the channel.
+            chunk = conn.recv(responder.missing())
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
-            self._drop(conn, sel, pending)
+        except OSError as exc:
+            self._refuse(conn, sel, pending, f"failed during the handshake: {exc}")
             return
         if not chunk:
-            self._drop(conn, sel, pending)
+            self._refuse(conn, sel, pending, "closed the connection during the handshake")
             return
-        buf += chunk
-        missing = hello_missing(buf)
-        if missing is None:
-            self._drop(conn, sel, pending)  # not a hetpipe peer (or a garbage one)
+        step = responder.feed(chunk)
+        if step.reply and not self._answer(conn, step.reply):
+            self._refuse(conn, sel, pending, "could not be answered")
             return
-        if missing:
+        if step.refused is not None:
+            self._refuse(conn, sel, pending, step.refused)
             return
-        hello = decode_hello(buf)
-        slot = (hello.rank, hello.stream)
-        verdict = judge(hello, self.me.token, expected=slot in self.expected and slot not in self.accepted
-                        and hello.nstreams == self.me.nstreams)
-        if verdict != Verdict.ACCEPT:
-            if verdict == Verdict.WRONG_TOKEN:
-                log.warning("%s refused a connection claiming to be rank %d: wrong job token",
-                            self.me.name, hello.rank)
-            self._answer(conn, verdict)
-            self._drop(conn, sel, pending)
+        if step.accepted is None or step.keys is None:
             return
         sel.unregister(conn)
         del pending[conn]
-        if not self._answer(conn, Verdict.ACCEPT):
-            conn.close()
-            return
         conn.setblocking(True)
         tune(conn)
-        self.accepted[slot] = conn
+        self.accepted[step.accepted] = Session(conn, step.keys)
 
     @staticmethod
-    def _answer(conn: socket.socket, verdict: Verdict) -> bool:
-        reply = encode_reply(verdict)
+    def _answer(conn: socket.socket, reply: bytes) -> bool:
         try:
-            # Five bytes fit any fresh socket's send buffer, so this never blocks.
+            # A handshake reply (under 100 bytes) fits any fresh socket's send buffer, so this never blocks.
             return conn.send(reply) == len(reply)
         except OSError:
             return False
 
+    def _refuse(self, conn: socket.socket, sel: selectors.BaseSelector,
+                pending: dict[socket.socket, tuple[Responder, float]], reason: str) -> None:
+        """Drop a connection that did not authenticate, logging it once; the loop waits on for the real peer."""
+        log.warning("%s refused a connection from %s: %s", self.me.name, pending[conn][0].where, reason)
+        self._drop(conn, sel, pending)
+
     @staticmethod
     def _drop(conn: socket.socket, sel: selectors.BaseSelector,
-              pending: dict[socket.socket, tuple[bytearray, float]]) -> None:
+              pending: dict[socket.socket, tuple[Responder, float]]) -> None:
         pending.pop(conn, None)
         try:
             sel.unregister(conn)

@@ -16,13 +16,38 @@ the destination memory). A message that arrives before its ``irecv`` is left
 in the socket, so TCP flow control, not an unbounded buffer, holds the sender
 back. Connections are made and authenticated by :mod:`hetpipe.comm.rendezvous`;
 deadlines, lost peers and ``close`` follow :mod:`hetpipe.comm.threaded`.
+
+Piece ``p`` of message ``seq`` always travels on connection ``(seq + p) % n``:
+messages too small to stripe take turns on the NICs instead of all riding the
+first (so every NIC carries traffic and a dead one is noticed at once, not at
+the first large message), and the receiver knows which connection owes it a
+missing piece. A transfer that times out therefore names the link it stalled
+on (local interface and address, peer address) and the two stages.
+
+A NIC lost mid-run stops the job; it does not fail over to the remaining NICs.
+Failing over means resending the pieces that were in the dead connection's
+kernel buffers over another one, which the sender no longer has once
+``sendall`` returned, so it needs acknowledgements and retransmission on top
+of TCP; and the world group's gloo and NCCL/RCCL spread their own traffic over
+the same NICs without failing over either, so the job would stall in its next
+collective anyway. A job that silently ran on half its links would also keep
+a stage split planned for twice the bandwidth. So the link's loss is an error
+that names it (interface, both addresses, the two stages): at once when the
+NIC goes down on a node (the job's watch, :mod:`hetpipe.job_watch`, sees its
+state change), after half the deadline when it fails elsewhere on the path
+(a receive holds some pieces of a message and its other link has carried
+nothing since: :meth:`TcpChannel._watch_links`, measured at 9.6 s with a 15 s
+deadline in tests/test_node_faults.py), at the deadline when no piece gives
+it away (the wait times out naming the link the piece was due on). The job
+resumes from its last checkpoint.
 """
 from __future__ import annotations
 
 import queue
 import socket
+import time
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +55,7 @@ import torch.distributed as dist
 from hetpipe.comm.channel import (
     HEADER_SIZE,
     ChannelError,
+    ChannelTimeout,
     CompletionHandle,
     FrameHeader,
     Handle,
@@ -40,13 +66,20 @@ from hetpipe.comm.channel import (
     header_for,
 )
 from hetpipe.comm.handshake import check_token
+from hetpipe.comm.message_mac import TAG_SIZE, FrameMac
 from hetpipe.comm.rendezvous import connect_peers
 from hetpipe.comm.sockets import recv_exact
+from hetpipe.comm.nics import list_interfaces
 from hetpipe.comm.staging import HostStaging
-from hetpipe.comm.threaded import PeerState, ThreadedChannel
+from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
 
 # Below this, striping costs more syscalls than it saves.
 MIN_PIECE_BYTES = 256 * 1024
+# A receive that has some of its pieces but lacks the rest for half the
+# deadline, at most this long, has a stalled link (TcpChannel._watch_links).
+# Equal pieces queued at once on links of equal speed arrive within
+# milliseconds of each other; a minute is a link that stopped.
+_STALL_CAP_S = 60.0
 # Pieces up to this size go out in one send together with their header.
 _COALESCE_BYTES = 64 * 1024
 _DRAIN_CHUNK = 1 << 20
@@ -64,14 +97,29 @@ def split_pieces(nbytes: int, nlinks: int) -> list[tuple[int, int]]:
     return pieces
 
 
-def _drain(sock: socket.socket, nbytes: int) -> int:
-    """Read and discard ``nbytes`` so the stream stays in step after a rejected piece."""
+def link_of(seq: int, piece: int, nlinks: int) -> int:
+    """The connection that carries piece ``piece`` of message ``seq``."""
+    return (seq + piece) % nlinks
+
+
+class LinkStalled(ChannelTimeout):
+    """A transfer with global rank ``peer`` timed out while a piece it owes was due on a named link."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def _drain(sock: socket.socket, nbytes: int, mac: FrameMac | None) -> int:
+    """Read and discard ``nbytes`` so the stream stays in step after a rejected piece (still MACed)."""
     scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
     got = 0
     while got < nbytes:
         n = sock.recv_into(scratch[:min(len(scratch), nbytes - got)])
         if n == 0:
             break
+        if mac is not None:
+            mac.absorb(scratch[:n])
         got += n
     return got
 
@@ -87,6 +135,7 @@ class _SendOp:
     staging: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     inflight: int = 0  # pieces a sender thread is writing right now
+    sent: set[int] = field(default_factory=set)  # links whose piece is written
 
 
 @dataclass(eq=False)
@@ -100,6 +149,8 @@ class _RecvOp:
     npieces: int | None = None
     seen: int = 0
     error: ChannelError | None = None
+    arrived: set[int] = field(default_factory=set)  # links whose piece is in
+    first_piece: float | None = None  # time.monotonic() when the first piece was in
     handle: CompletionHandle = field(init=False)
 
 
@@ -109,7 +160,36 @@ class _Link:
 
     sock: socket.socket
     index: int
+    mac: FrameMac | None = None  # set with message_mac: every frame carries tags (comm/message_mac.py)
     queue: "queue.SimpleQueue[tuple[_SendOp, int, int] | None]" = field(default_factory=queue.SimpleQueue)
+    # When a piece last finished crossing this connection (either way), for stall reports.
+    last_activity: float = field(default_factory=time.monotonic)
+    local: str = field(init=False)
+    remote: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.local, self.remote = self.sock.getsockname()[0], self.sock.getpeername()[0]
+
+    def describe(self, interfaces: dict[str, str], incoming: bool) -> str:
+        """``eth2 10.202.0.2 <- 10.202.0.1`` (the arrow follows the data)."""
+        name = interfaces.get(self.local)
+        return f"{name + ' ' if name else ''}{self.local} {'<-' if incoming else '->'} {self.remote}"
+
+
+class _TcpHandle(CompletionHandle):
+    """A transfer's handle whose timeout names the link(s) a missing piece was due on."""
+
+    def __init__(self, *, stalled: Callable[[ChannelTimeout], ChannelTimeout], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._stalled = stalled
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            super().wait(timeout)
+        except ChannelTimeout as exc:
+            if self.done():  # the transfer failed with a timeout of its own
+                raise
+            raise self._stalled(exc) from None
 
 
 @dataclass(eq=False, kw_only=True)
@@ -128,7 +208,10 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
     ``streams_per_address``. Connection j of each peer pair goes from local
     address ``j % len(addresses)`` to the peer's address of the same index.
     ``store`` is the job's store (endpoint exchange) and ``token`` the job's
-    shared secret, checked in every connection's handshake. ``deadline``
+    shared secret, proven by both sides of every connection's handshake
+    without crossing the wire. ``message_mac`` adds a MAC to every frame
+    (integrity against an attacker on the network path; costs throughput,
+    see :mod:`hetpipe.comm.message_mac`). ``deadline``
     bounds the rendezvous and is every ``wait``'s default. ``device``
     (optional) is the GPU this rank's boundary tensors live on; its side
     streams are created up front rather than on first use.
@@ -136,7 +219,7 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
 
     def __init__(self, rank: int, peers: list[int], names: dict[int, str], store: dist.Store, token: str,
                  addresses: Sequence[str] = ("127.0.0.1",), streams_per_address: int = 1,
-                 deadline: float = 300.0, device: torch.device | None = None) -> None:
+                 deadline: float = 300.0, device: torch.device | None = None, message_mac: bool = False) -> None:
         super().__init__(rank, peers, names, deadline, transport="tcp")
         secret = check_token(token, "TcpChannel")
         if not addresses:
@@ -146,19 +229,24 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         self.addresses = list(addresses)
         self.streams_per_address = int(streams_per_address)
         self.nstreams = len(self.addresses) * self.streams_per_address
+        self._stall_s = min(self.deadline / 2, _STALL_CAP_S)
         self.device = torch.device(device) if device is not None else None
         self._staging = HostStaging(self.device)
         self._peers = {p: _TcpPeer(rank=p, name=self.name_of(p)) for p in self.peers}
         sockets = connect_peers(store, rank=rank, peers=self.peers, name_of=self.name_of,
                                 addresses=self.addresses, streams_per_address=self.streams_per_address,
                                 token=secret, deadline=self.deadline)
-        for (peer, j), sock in sorted(sockets.items()):
-            sock.settimeout(None)
-            self._peers[peer].links.append(_Link(sock, j))
+        for (peer, j), session in sorted(sockets.items()):
+            session.sock.settimeout(None)
+            mac = FrameMac(session.keys, own=self.name, peer=self.name_of(peer), connection=j) if message_mac else None
+            self._peers[peer].links.append(_Link(session.sock, j, mac))
         for state in self._peers.values():
             for link in state.links:
                 self._start_thread(state, "send", self._sender_loop, link, suffix=f"-{link.index}")
                 self._start_thread(state, "recv", self._receiver_loop, link, suffix=f"-{link.index}")
+        for state in self._peers.values():
+            if len(state.links) > 1:
+                self._start_thread(state, "watch", self._watch_links)
 
     # -------------------------------------------------------------- posting
 
@@ -179,7 +267,8 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         pieces = split_pieces(header.nbytes, len(state.links))
         with state.cond:
             header = replace(header, seq=state.send_seq)
-            handle = CompletionHandle(owner=self.name, action=self.send_action(header, peer), deadline=self.deadline)
+            handle = _TcpHandle(owner=self.name, action=self.send_action(header, peer), deadline=self.deadline,
+                                stalled=lambda exc: self._stalled(state, op, exc))
             if state.error is not None:
                 handle.set_failed(state.error)
                 return handle
@@ -187,8 +276,8 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
             op = _SendOp(handle, header, data, len(pieces), len(pieces), src, staging, ready)
             state.sends.add(op)
             # Enqueued under the peer lock so the per-link order is the sequence order.
-            for link, (offset, length) in zip(state.links, pieces):
-                link.queue.put((op, offset, length))
+            for p, (offset, length) in enumerate(pieces):
+                state.links[link_of(header.seq, p, len(state.links))].queue.put((op, offset, length))
         return handle
 
     def irecv(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
@@ -208,10 +297,10 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         with state.cond:
             header = replace(header, seq=state.recv_seq)
             op = _RecvOp(header, view, tensor, staging, posted)
-            op.handle = CompletionHandle(owner=self.name, action=self.recv_action(header, peer),
-                                         deadline=self.deadline,
-                                         finish=(lambda: HostStaging.join(op.dest, op.copied))
-                                         if staging is not None else None)
+            op.handle = _TcpHandle(owner=self.name, action=self.recv_action(header, peer),
+                                   deadline=self.deadline, stalled=lambda exc: self._stalled(state, op, exc),
+                                   finish=(lambda: HostStaging.join(op.dest, op.copied))
+                                   if staging is not None else None)
             if state.error is not None:
                 op.handle.set_failed(state.error)
                 return op.handle
@@ -239,20 +328,25 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                 if op.ready is not None:
                     op.ready.synchronize()
                 head = encode_header(op.header.piece(offset, length, op.npieces))
-                if length <= _COALESCE_BYTES:
+                if link.mac is not None:
+                    link.mac.send_frame(link.sock, head, op.data[offset:offset + length])
+                elif length <= _COALESCE_BYTES:
                     link.sock.sendall(head + op.data[offset:offset + length])
                 else:
                     link.sock.sendall(head)
                     link.sock.sendall(op.data[offset:offset + length])
             except Exception as exc:
                 if isinstance(exc, OSError):
-                    error = ChannelError(f"connection to {peer.name} lost while sending {op.header.describe()}: {exc}")
+                    error = PeerLost(f"connection to {peer.name} lost while sending {op.header.describe()}: {exc}",
+                                     peer.rank)
                 else:  # a CUDA failure while staging: the stream is now out of step
                     error = ChannelError(f"{self.name} failed to stage {op.header.describe()} for {peer.name}: {exc}")
                 self._fail_peer(peer, error)
                 op.handle.set_failed(peer.error or error)
                 continue
+            link.last_activity = time.monotonic()
             with peer.cond:
+                op.sent.add(link.index)
                 op.inflight -= 1
                 op.remaining -= 1
                 finished = op.remaining == 0
@@ -264,7 +358,8 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                 op.handle.set_done()
 
     def _receiver_loop(self, peer: _TcpPeer, link: _Link) -> None:
-        head = bytearray(HEADER_SIZE)
+        # With message MACs the header's tag follows it, checked before the header is believed.
+        head = bytearray(HEADER_SIZE + (TAG_SIZE if link.mac is not None else 0))
         try:
             while True:
                 got = recv_exact(link.sock, memoryview(head))
@@ -276,11 +371,13 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                         peer.closed_links += 1
                         if peer.closed_links < len(peer.links):
                             return
-                    raise ChannelError(f"connection to {peer.name} lost: the peer closed the connection")
-                if got < HEADER_SIZE:
+                    raise PeerLost(f"connection to {peer.name} lost: the peer closed the connection", peer.rank)
+                if got < len(head):
                     raise ChannelError(f"connection to {peer.name} closed mid-message: received {got} of "
-                                       f"{HEADER_SIZE} header bytes")
-                header = decode_header(head, sender=peer.name)
+                                       f"{len(head)} header bytes")
+                if link.mac is not None:
+                    link.mac.open_header(memoryview(head))
+                header = decode_header(memoryview(head)[:HEADER_SIZE], sender=peer.name)
                 op = self._await_recv(peer, header)
                 if op is None:
                     return
@@ -295,17 +392,21 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                                        f"after announcing {op.npieces}: the stream is out of step")
                 op.npieces = header.npieces
                 if error is None:
-                    got = recv_exact(link.sock, op.view[header.offset:header.offset + header.length])
+                    view = op.view[header.offset:header.offset + header.length]
+                    got = recv_exact(link.sock, view) if link.mac is None else link.mac.recv_payload(link.sock, view)
                 else:
-                    got = _drain(link.sock, header.length)
+                    got = _drain(link.sock, header.length, link.mac)
                 if got < header.length:
                     raise ChannelError(f"connection to {peer.name} closed mid-message: received {got} of "
                                        f"{header.length} bytes of {header.describe()}")
-                self._piece_received(peer, op, header, error)
+                link.last_activity = time.monotonic()
+                if link.mac is not None:
+                    link.mac.close_payload(link.sock)  # the piece counts only once its bytes are proven
+                self._piece_received(peer, op, header, error, link.index)
         except ChannelError as exc:
             self._fail_peer(peer, exc)
         except OSError as exc:
-            self._fail_peer(peer, ChannelError(f"connection to {peer.name} lost: {exc}"))
+            self._fail_peer(peer, PeerLost(f"connection to {peer.name} lost: {exc}", peer.rank))
 
     def _await_recv(self, peer: _TcpPeer, header: FrameHeader) -> _RecvOp | None:
         """The posted irecv a piece belongs to; blocks (leaving bytes in the socket) until it is posted."""
@@ -322,10 +423,13 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                 peer.cond.wait(1.0)
 
     def _piece_received(self, peer: _TcpPeer, op: _RecvOp, header: FrameHeader,
-                        error: ChannelError | None) -> None:
+                        error: ChannelError | None, link: int) -> None:
         with peer.cond:
             if error is not None and op.error is None:
                 op.error = error
+            op.arrived.add(link)
+            if op.first_piece is None:
+                op.first_piece = time.monotonic()
             op.seen += 1
             if op.seen < (op.npieces or 1) or peer.recvs.get(header.seq) is not op:
                 return
@@ -341,6 +445,62 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                     f"{self.name} failed to copy {header.describe()} from {peer.name} to the GPU: {exc}"))
                 return
         op.handle.set_done()
+
+    def _stalled(self, peer: _TcpPeer, op: _SendOp | _RecvOp, exc: ChannelTimeout) -> ChannelTimeout:
+        """``exc`` (a wait that timed out on ``op``) as :class:`LinkStalled` naming the
+        links that still owe ``op`` a piece, where another link shows the peer was sending."""
+        report = self._stall_report(peer, op)
+        return LinkStalled(f"{exc}: {report}", peer.rank) if report else exc
+
+    def _stall_report(self, peer: _TcpPeer, op: _SendOp | _RecvOp) -> str | None:
+        """Which links owe ``op`` a piece and for how long they carried nothing -
+        when another link carried its piece of ``op`` or moved data since, so the
+        sender was sending and one link did not carry its share; else None."""
+        incoming = isinstance(op, _RecvOp)
+        header = op.expected if incoming else op.header
+        n = len(peer.links)
+        with peer.cond:
+            done = set(op.arrived if incoming else op.sent)
+        due = {link_of(header.seq, p, n) for p in range(len(split_pieces(header.nbytes, n)))}
+        owing = [peer.links[j] for j in sorted(due - done)]
+        if not owing:
+            return None
+        now = time.monotonic()
+        quiet = min(now - link.last_activity for link in owing)
+        moving = [link for link in peer.links if link not in owing and now - link.last_activity < quiet]
+        if not moving and not done:
+            return None  # nothing moved on any link: the peer stopped, not a link
+        names = {a: i.name for i in list_interfaces() for a in i.addresses}
+        stalled = ", ".join(link.describe(names, incoming) for link in owing)
+        alive = "; ".join([f"{peer.links[j].describe(names, incoming)} carried its piece" for j in sorted(done)]
+                          + [f"{link.describe(names, incoming)} moved data {now - link.last_activity:.1f} s ago"
+                             for link in moving if link.index not in done])
+        return (f"link {stalled} carried nothing for {quiet:.1f} s while its piece of message #{header.seq} "
+                f"was due ({alive})")
+
+    def _watch_links(self, peer: _TcpPeer) -> None:
+        """Fail ``peer`` with :class:`LinkStalled` once a receive has had some of its
+        pieces for ``_stall_s`` but not the rest: the sender queued them together,
+        so the missing ones sit on a link that stopped. Ahead of the deadline, so
+        the stalled link is the job's reported cause, not the timeouts it causes
+        on other ranks."""
+        with peer.cond:
+            while peer.error is None:
+                peer.cond.wait(min(1.0, self._stall_s / 4))
+                now = time.monotonic()
+                late = [op for op in peer.recvs.values()
+                        if op.first_piece is not None and now - op.first_piece > self._stall_s]
+                if late and peer.error is None:
+                    op = late[0]
+                    peer.cond.release()  # _stall_report and _fail_peer take the lock themselves
+                    try:
+                        report = self._stall_report(peer, op)
+                        if report is not None:
+                            self._fail_peer(peer, LinkStalled(
+                                f"{self.name} waited {now - op.first_piece:.1f} s for the rest of "
+                                f"{op.expected.describe()} from {peer.name}: {report}", peer.rank))
+                    finally:
+                        peer.cond.acquire()
 
     # ------------------------------------------------------- failure, close
 

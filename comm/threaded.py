@@ -10,6 +10,12 @@ module keeps those promises once. A transport says what is pending
 (:meth:`ThreadedChannel._abandon`), how to cut a peer off
 (:meth:`ThreadedChannel._disconnect`) and what to free after its threads
 stopped (:meth:`ThreadedChannel._release`).
+
+A peer that fails while transfers are pending stops the whole job, not only
+the rank that waits on it: :meth:`ThreadedChannel.notify_failures` hands that
+first error to the job's watch (:mod:`hetpipe.job_watch`) from the I/O thread
+that saw it, so ranks blocked elsewhere (a collective, another boundary) learn
+the cause at once instead of through a secondary timeout.
 """
 from __future__ import annotations
 
@@ -23,6 +29,15 @@ from typing import Callable, Generic, Iterable, TypeVar
 from hetpipe.comm.channel import Channel, ChannelError, CompletionHandle
 
 log = logging.getLogger(__name__)
+
+
+class PeerLost(ChannelError):
+    """The connection to global rank ``peer`` closed or broke: its process or its node is gone."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
 
 # How long close() waits for all threads together; they are daemons, so one
 # stuck in a blocking call (gloo cannot cancel a receive) never holds up exit.
@@ -66,6 +81,7 @@ class ThreadedChannel(Channel, Generic[PeerT]):
         # True from the start of close(): failures are then the close, not a lost peer.
         self._closing = False
         self._peers: dict[int, PeerT] = {}
+        self._on_failure: Callable[[ChannelError], None] | None = None
 
     def _start_thread(self, peer: PeerT, role: str, target: Callable[..., None], *args: object,
                       suffix: str = "") -> None:
@@ -74,6 +90,12 @@ class ThreadedChannel(Channel, Generic[PeerT]):
                                   name=f"hetpipe-{self.transport}-{role}-{self.rank}-{peer.rank}{suffix}")
         peer.threads.append(thread)
         thread.start()
+
+    def notify_failures(self, callback: Callable[[ChannelError], None]) -> None:
+        """Call ``callback(error)`` on the I/O thread when a peer fails while
+        transfers with it are pending (never for :meth:`close`, nor for a peer
+        that closes after the last transfer, as at the normal end of a job)."""
+        self._on_failure = callback
 
     def _posting_peer(self, peer: int) -> PeerT:
         """The per-peer state a new transfer to or from ``peer`` is queued on."""
@@ -104,7 +126,10 @@ class ThreadedChannel(Channel, Generic[PeerT]):
             pending = self._abandon(peer)
             peer.cond.notify_all()
         if pending and not self._closing:
-            log.error("%s", error)
+            if self._on_failure is not None:
+                self._on_failure(error)  # the watch reports it; a log line would only repeat it
+            else:
+                log.error("%s", error)
         for handle in pending:
             handle.set_failed(error)
         self._disconnect(peer)

@@ -18,6 +18,7 @@ from hetpipe.errors import ConfigError
 
 VENDORS = ("nvidia", "amd", "cpu", "auto")
 TRANSPORTS = ("tcp", "direct", "gloo", "auto")
+MOVERS = ("auto", "shm", "ipc", "mooncake-tcp", "mooncake-rdma")
 
 
 @dataclass
@@ -55,6 +56,17 @@ class TransportConfig:
     # sides, which a real cross-vendor boundary is not, and there is no RDMA
     # mover across nodes yet).
     kind: str = "auto"
+    # What moves a kind=direct boundary's bytes. auto chooses per boundary:
+    # one host -> CUDA/HIP IPC between GPUs of one runtime, shared memory
+    # between CPU ranks; two hosts -> Mooncake's transfer engine over RDMA
+    # where both ends have it (an RDMA device, the [mooncake] extra, a wheel
+    # built for the GPU's runtime); anything else -> the tcp channel. Every
+    # rank prints its choice and why at start-up. shm and ipc: one host only.
+    # mooncake-tcp: Mooncake over its TCP transport on every boundary, what CI
+    # runs. mooncake-rdma: RDMA on every boundary (not verified by hetpipe's
+    # tests; docs/architecture.md lists what a cluster needs). See
+    # hetpipe/comm/factory.py:choose_mover.
+    mover: str = "auto"
     # Local addresses to stripe each message over (one per NIC).
     addresses: List[str] = field(default_factory=lambda: ["127.0.0.1"])
     # The same NICs by interface name, e.g. [eth1, eth2]: each node resolves its
@@ -72,6 +84,14 @@ class TransportConfig:
     streams_per_address: int = 1
     # Seconds any boundary wait may take before the rank gives up.
     deadline_s: float = 300.0
+    # A MAC (HMAC-SHA256, per-connection keys from the handshake) over every
+    # tcp frame's header and payload, numbered so frames cannot be altered,
+    # replayed or reordered by an attacker on the network path (the handshake
+    # alone already refuses peers without the job secret). Off by default:
+    # it hashes every byte once more on each side (~1.3 GB/s per core), and
+    # 64 MiB messages over 4 loopback streams of a 16-core host fell from 11.6
+    # to 3.5 GB/s (docs/benchmarks.md). tcp only (see comm/message_mac.py).
+    message_mac: bool = False
     # Same-vendor (NCCL/RCCL) stage boundaries: at most this many CTAs, hence
     # SMs, per transfer (ncclConfig_t.maxCTAs of the boundary communicators
     # only; Megatron-LM sets the same per communicator). A posted send or
@@ -110,6 +130,8 @@ class ClusterConfig:
                 raise ConfigError(f"cluster group {g.name!r}: nodes and ranks_per_node must be positive")
         if self.transport.kind not in TRANSPORTS:
             raise ConfigError(f"cluster.transport.kind={self.transport.kind!r} is not one of {TRANSPORTS}")
+        if self.transport.mover not in MOVERS:
+            raise ConfigError(f"cluster.transport.mover={self.transport.mover!r} is not one of {MOVERS}")
         if not self.transport.addresses or self.transport.streams_per_address <= 0:
             raise ConfigError("cluster.transport needs at least one address and one stream per address")
         if self.transport.interfaces is not None and self.transport.subnets is not None:
@@ -124,6 +146,9 @@ class ClusterConfig:
                                   "10.201.0.0/24") from None
         if self.transport.deadline_s <= 0:
             raise ConfigError("cluster.transport.deadline_s must be positive")
+        if self.transport.message_mac and self.transport.kind in ("direct", "gloo"):
+            raise ConfigError(f"cluster.transport.message_mac covers the tcp channel's frames only, not "
+                              f"kind={self.transport.kind}: use kind=tcp, or message_mac=false")
         if self.transport.nccl_max_ctas is not None and self.transport.nccl_max_ctas <= 0:
             raise ConfigError(f"cluster.transport.nccl_max_ctas={self.transport.nccl_max_ctas} must be a "
                               "positive number of CTAs (or null for NCCL's choice)")

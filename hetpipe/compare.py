@@ -1,18 +1,21 @@
 """``python -m hetpipe.compare RUN_A RUN_B [...] [--rtol R] [--out DIR]``: loss-curve parity.
 
-Reads each run's metrics (a run directory's ``metrics.jsonl``, a JSONL file
-given directly, or the run's wandb offline log when it has no JSONL), aligns
-the runs by step, prints each run's summary and compares every run with the
-first (the reference) on their common steps: max and mean absolute and
-relative loss difference and the final-loss relative error, with a verdict
-against ``--rtol`` (0 demands bitwise-identical curves). Optionally writes a
-PNG of the curves and their difference from the reference, and a Markdown
-table. Exits 1 when a verdict fails and 2 when a run cannot be read, so
-scripts and CI can rely on it.
+Reads each run's metrics (a run directory's ``metrics.jsonl`` or a JSONL file
+given directly), aligns the runs by step, prints each run's summary and
+compares every run with the first (the reference) on their common steps: max
+and mean absolute and relative loss difference and the final-loss relative
+error, with a verdict against ``--rtol`` (0 demands bitwise-identical curves).
+The training curve comes from rows with ``loss``; where both runs also have
+validation rows (``val_loss``), their validation curves are compared the same
+way and count towards the verdict. Optionally writes a PNG of the curves and
+their difference from the reference, and a Markdown table. Exits 1 when a
+verdict fails and 2 when a run cannot be read, so scripts and CI can rely on it.
 
 Parity is the claim that a mixed-vendor pipeline trains exactly like a
 homogeneous one; a loss curve is the cheapest evidence of it, and the
-difference curve shows where two runs part ways when they do.
+difference curve shows where two runs part ways when they do. Only
+``metrics.jsonl`` is read: it is the record the trainer writes, and wandb or
+TensorBoard files are mirrors of it in formats hetpipe does not own.
 """
 from __future__ import annotations
 
@@ -25,19 +28,23 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hetpipe.errors import HetpipeError, run_cli
-from hetpipe.wandb_log import wandb_logs, wandb_rows
 
 
 @dataclass
 class Run:
     """One run's metrics rows, keyed by step."""
     label: str   # short name for tables and legends
-    source: str  # the file(s) the rows came from
-    rows: dict[int, dict[str, Any]]
+    source: str  # the file the rows came from
+    rows: dict[int, dict[str, Any]]      # training rows (with "loss")
+    val_rows: dict[int, dict[str, Any]]  # validation rows (with "val_loss")
 
     @property
     def loss(self) -> dict[int, float]:
         return {step: float(row["loss"]) for step, row in self.rows.items()}
+
+    @property
+    def val_loss(self) -> dict[int, float]:
+        return {step: float(row["val_loss"]) for step, row in self.val_rows.items()}
 
     def median(self, key: str) -> Optional[float]:
         # The median, not the mean: the first log interval carries warm-up
@@ -62,11 +69,23 @@ class Comparison:
 
 
 def compare_runs(reference: Run, run: Run) -> Comparison:
-    """``run``'s loss curve against the reference's, on the steps both logged."""
-    a, b = reference.loss, run.loss
+    """``run``'s training loss curve against the reference's, on the steps both logged."""
+    return _compare_curves(reference.loss, run.loss, f"{run.source} and {reference.source} share no steps")
+
+
+def compare_validation(reference: Run, run: Run) -> Optional[Comparison]:
+    """``run``'s validation loss curve against the reference's; None when
+    either run has no validation rows (the pair compares training only)."""
+    if not reference.val_rows or not run.val_rows:
+        return None
+    return _compare_curves(reference.val_loss, run.val_loss,
+                           f"{run.source} and {reference.source} share no validation steps")
+
+
+def _compare_curves(a: dict[int, float], b: dict[int, float], disjoint: str) -> Comparison:
     steps = sorted(set(a) & set(b))
     if not steps:
-        raise HetpipeError(f"{run.source} and {reference.source} share no steps to compare")
+        raise HetpipeError(f"{disjoint} to compare")
     absd = [abs(a[s] - b[s]) for s in steps]
     rel = [d / max(abs(a[s]), 1e-12) for d, s in zip(absd, steps)]
     last = steps[-1]
@@ -80,39 +99,34 @@ def compare_runs(reference: Run, run: Run) -> Comparison:
 # ---------------------------------------------------------------- reading runs
 
 def load_run(spec: str, label: str) -> Run:
-    """The rows of a run directory, a metrics JSONL file, a wandb offline run
-    directory or a ``.wandb`` log; a run directory's ``metrics.jsonl`` wins
-    over its wandb mirror (it is the record the trainer writes first)."""
+    """The rows of a run directory's ``metrics.jsonl`` or of a metrics JSONL file."""
     path = Path(spec)
-    if path.is_file():
-        rows = wandb_rows([path], _checked_row) if path.suffix == ".wandb" else _jsonl_rows(path)
-        source = str(path)
-    elif path.is_dir():
-        jsonl = path / "metrics.jsonl"
-        if jsonl.is_file():
-            rows, source = _jsonl_rows(jsonl), str(jsonl)
-        else:
-            logs = wandb_logs(path)
-            if not logs:
-                raise HetpipeError(f"{path}: no metrics.jsonl and no wandb offline run "
-                                   "(is it a hetpipe run directory?)")
-            rows, source = wandb_rows(logs, _checked_row), ", ".join(str(p) for p in logs)
-    else:
+    if path.is_dir() and (path / "metrics.jsonl").is_file():
+        path = path / "metrics.jsonl"
+    if _is_wandb(path):
+        raise HetpipeError(f"{path}: compare reads metrics.jsonl, not wandb runs: pass the hetpipe run "
+                           "directory that holds metrics.jsonl")
+    if path.is_dir():
+        raise HetpipeError(f"{path}: no metrics.jsonl (is it a hetpipe run directory?)")
+    if not path.is_file():
         raise HetpipeError(f"{path}: no such run directory or metrics file")
+    rows, val_rows = _jsonl_rows(path)
     if not rows:
-        raise HetpipeError(f"{source}: no metrics rows (did the run finish a log interval?)")
-    return Run(label=label, source=source, rows=rows)
+        raise HetpipeError(f"{path}: no metrics rows with a training loss (did the run finish a log interval?)")
+    return Run(label=label, source=str(path), rows=rows, val_rows=val_rows)
 
 
-def _checked_row(row: Any, where: str) -> tuple[int, dict[str, Any]]:
-    if not isinstance(row, dict) or not isinstance(row.get("step"), int) \
-            or not isinstance(row.get("loss"), (int, float)):
-        raise HetpipeError(f"{where}: a metrics row needs an integer 'step' and a numeric 'loss'")
-    return row["step"], row
+def _is_wandb(path: Path) -> bool:
+    """A .wandb log, a wandb run directory, a wandb directory, or a run
+    directory whose wandb mirror outlived its metrics.jsonl."""
+    return path.suffix == ".wandb" or path.is_dir() and any(
+        next(path.glob(pattern), None) for pattern in ("*.wandb", "*/*.wandb", "wandb"))
 
 
-def _jsonl_rows(path: Path) -> dict[int, dict[str, Any]]:
+def _jsonl_rows(path: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """Training rows (with ``loss``) and validation rows (with ``val_loss``), by step."""
     rows: dict[int, dict[str, Any]] = {}
+    val_rows: dict[int, dict[str, Any]] = {}
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -121,9 +135,13 @@ def _jsonl_rows(path: Path) -> dict[int, dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise HetpipeError(f"{path}:{number}: not a JSON row ({exc.msg})") from None
-            step, row = _checked_row(row, f"{path}:{number}")
-            rows[step] = row
-    return rows
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise HetpipeError(f"{path}:{number}: a metrics row needs an integer 'step'")
+            key = "loss" if "loss" in row else "val_loss"
+            if not isinstance(row.get(key), (int, float)):
+                raise HetpipeError(f"{path}:{number}: a metrics row needs a numeric 'loss' or 'val_loss'")
+            (rows if key == "loss" else val_rows)[row["step"]] = row
+    return rows, val_rows
 
 
 def run_labels(specs: list[str]) -> list[str]:
@@ -132,7 +150,7 @@ def run_labels(specs: list[str]) -> list[str]:
     names = []
     for spec in specs:
         path = Path(spec)
-        if path.name == "metrics.jsonl" or path.suffix == ".wandb":
+        if path.name == "metrics.jsonl":
             path = path.parent
         names.append(path.resolve().name or spec)
     return names if len(set(names)) == len(names) else list(specs)
@@ -148,47 +166,86 @@ def _verdict(c: Comparison, rtol: float) -> str:
     return ("PASS" if c.passes(rtol) else "FAIL") + (" (bitwise identical)" if c.identical else "")
 
 
-def print_report(runs: list[Run], comparisons: list[Comparison], rtol: float, ok: bool) -> None:
+def _final(curve: dict[int, float]) -> Optional[float]:
+    return curve[max(curve)] if curve else None
+
+
+def _training_only(reference: Run, run: Run) -> str:
+    """Why a pair's validation curves are not compared."""
+    lacking = [r.label for r in (run, reference) if not r.val_rows]
+    return f"training only: no validation rows in {' and '.join(lacking)}"
+
+
+def print_report(runs: list[Run], comparisons: list[Comparison], validations: list[Optional[Comparison]],
+                 rtol: float, ok: bool) -> None:
     print(f"{'run':<40} {'steps':>6} {'first loss':>11} {'final loss':>11} {'med tok/s':>10} "
-          f"{'med TFLOP/s':>11}")
+          f"{'med TFLOP/s':>11} {'val steps':>9} {'final val':>10}")
     for run in runs:
         loss = run.loss
         print(f"{run.label[-40:]:<40} {len(loss):>6} {loss[min(loss)]:>11.6f} {loss[max(loss)]:>11.6f} "
-              f"{_fmt(run.median('tokens_per_s'), '.4g'):>10} {_fmt(run.median('tflops_per_device'), '.4g'):>11}")
+              f"{_fmt(run.median('tokens_per_s'), '.4g'):>10} {_fmt(run.median('tflops_per_device'), '.4g'):>11} "
+              f"{len(run.val_rows):>9} {_fmt(_final(run.val_loss), '.6f'):>10}")
     print(f"\nreference: {runs[0].label} ({runs[0].source})")
-    print(f"{'run':<40} {'compared':>8} {'missing':>7} {'max |d|':>10} {'mean |d|':>10} {'max rel':>10} "
-          f"{'mean rel':>10} {'final rel':>10}  verdict")
+    header = (f"{'compared':>8} {'missing':>7} {'max |d|':>10} {'mean |d|':>10} {'max rel':>10} "
+              f"{'mean rel':>10} {'final rel':>10}  verdict")
+
+    def line(run: Run, c: Comparison) -> str:
+        return (f"{run.label[-40:]:<40} {c.compared:>8} {c.missing:>7} {c.max_abs:>10.3e} {c.mean_abs:>10.3e} "
+                f"{c.max_rel:>10.3e} {c.mean_rel:>10.3e} {c.final_rel:>10.3e}  {_verdict(c, rtol)}")
+
+    print(f"{'training loss':<40} {header}")
     for run, c in zip(runs[1:], comparisons):
-        print(f"{run.label[-40:]:<40} {c.compared:>8} {c.missing:>7} {c.max_abs:>10.3e} {c.mean_abs:>10.3e} "
-              f"{c.max_rel:>10.3e} {c.mean_rel:>10.3e} {c.final_rel:>10.3e}  {_verdict(c, rtol)}")
+        print(line(run, c))
+    if not any(run.val_rows for run in runs):
+        print("validation loss: training only, no run has validation rows")
+    else:
+        print(f"{'validation loss':<40} {header}")
+        for run, v in zip(runs[1:], validations):
+            print(line(run, v) if v else f"{run.label[-40:]:<40} {_training_only(runs[0], run)}")
     print(f"\nrtol={rtol}: {'all runs agree' if ok else 'curves differ beyond tolerance'}")
 
 
-def markdown_report(runs: list[Run], comparisons: list[Comparison], rtol: float, ok: bool) -> str:
-    """Two tables: one row per run, then one row per run compared with the reference."""
+def markdown_report(runs: list[Run], comparisons: list[Comparison], validations: list[Optional[Comparison]],
+                    rtol: float, ok: bool) -> str:
+    """One row per run, then one row per run compared with the reference:
+    a table for training loss and, where runs have validation rows, one for
+    validation loss."""
     lines = ["# Loss-curve parity", "",
              f"Reference: `{runs[0].label}`. Tolerance: rtol={rtol} "
              f"({'bitwise identical' if rtol == 0 else 'max relative loss difference'}). "
              f"Verdict: **{'PASS' if ok else 'FAIL'}**.", "",
-             "| run | source | steps | first loss | final loss | median tokens/s | median TFLOP/s/device |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| run | source | steps | first loss | final loss | median tokens/s | median TFLOP/s/device | "
+             "validation steps | final validation loss |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         loss = run.loss
         lines.append(f"| {run.label} | `{run.source}` | {len(loss)} | {loss[min(loss)]:.6f} | "
                      f"{loss[max(loss)]:.6f} | {_fmt(run.median('tokens_per_s'), '.4g')} | "
-                     f"{_fmt(run.median('tflops_per_device'), '.4g')} |")
-    lines += ["", "| run vs reference | compared steps | missing steps | max abs diff | mean abs diff | "
-              "max rel diff | mean rel diff | final rel err | verdict |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for run, c in zip(runs[1:], comparisons):
-        lines.append(f"| {run.label} | {c.compared} | {c.missing} | {c.max_abs:.3e} | {c.mean_abs:.3e} | "
-                     f"{c.max_rel:.3e} | {c.mean_rel:.3e} | {c.final_rel:.3e} | {_verdict(c, rtol)} |")
+                     f"{_fmt(run.median('tflops_per_device'), '.4g')} | {len(run.val_rows)} | "
+                     f"{_fmt(_final(run.val_loss), '.6f')} |")
+    columns = ("compared steps | missing steps | max abs diff | mean abs diff | max rel diff | mean rel diff | "
+               "final rel err | verdict |")
+    rule = "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+
+    def row(run: Run, c: Comparison) -> str:
+        return (f"| {run.label} | {c.compared} | {c.missing} | {c.max_abs:.3e} | {c.mean_abs:.3e} | "
+                f"{c.max_rel:.3e} | {c.mean_rel:.3e} | {c.final_rel:.3e} | {_verdict(c, rtol)} |")
+
+    lines += ["", f"| run vs reference | {columns}", rule]
+    lines += [row(run, c) for run, c in zip(runs[1:], comparisons)]
+    if not any(run.val_rows for run in runs):
+        lines += ["", "Validation: training only, no run has validation rows."]
+    else:
+        lines += ["", f"| run vs reference (validation) | {columns}", rule]
+        lines += [row(run, v) if v else f"| {run.label} | - | - | - | - | - | - | - | "
+                  f"{_training_only(runs[0], run)} |" for run, v in zip(runs[1:], validations)]
     return "\n".join(lines) + "\n"
 
 
 def plot_curves(runs: list[Run], rtol: float, ok: bool, path: Path) -> None:
     """Loss against step for every run above, loss minus the reference's
-    below (on the steps both logged)."""
+    below (on the steps both logged); validation loss likewise in a second
+    column where runs have validation rows."""
     try:
         # Imported only when a plot is asked for: comparing needs no plotting
         # stack. The Agg canvas renders without a display or pyplot's state.
@@ -196,27 +253,35 @@ def plot_curves(runs: list[Run], rtol: float, ok: bool, path: Path) -> None:
         from matplotlib.figure import Figure
     except ImportError:
         raise HetpipeError("writing a plot needs the matplotlib package: pip install 'hetpipe[plot]'") from None
-    fig = Figure(figsize=(8, 6.5), layout="constrained")
+    panels = [("training loss", [run.loss for run in runs], None)]
+    if any(run.val_rows for run in runs):
+        # Markers: validation is sparse, and a single point draws no line.
+        panels.append(("validation loss", [run.val_loss for run in runs], "o"))
+    fig = Figure(figsize=(8 * len(panels), 6.5), layout="constrained")
     FigureCanvasAgg(fig)
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    axes = fig.subplots(2, len(panels), sharex="col", height_ratios=[2, 1], squeeze=False)
     # Parity means curves on top of each other: distinct line styles keep
     # every run visible where they coincide.
     styles = ["-", "--", ":", "-."]
-    reference = runs[0].loss
-    for i, run in enumerate(runs):
-        loss = run.loss
-        steps = sorted(loss)
-        top.plot(steps, [loss[s] for s in steps], styles[i % len(styles)], color=f"C{i}", label=run.label)
-        if i:
-            common = sorted(set(loss) & set(reference))
-            bottom.plot(common, [loss[s] - reference[s] for s in common], styles[i % len(styles)],
-                        color=f"C{i}", label=run.label)
-    bottom.axhline(0.0, color="0.6", linewidth=0.8)
-    top.set_ylabel("loss")
-    top.set_title(f"rtol={rtol}: {'PASS' if ok else 'FAIL'}")
-    top.legend()
-    bottom.set_xlabel("step")
-    bottom.set_ylabel(f"loss − {runs[0].label}")
+    for column, (name, curves, marker) in enumerate(panels):
+        top, bottom = axes[0][column], axes[1][column]
+        reference = curves[0]
+        for i, (run, curve) in enumerate(zip(runs, curves)):
+            if not curve:
+                continue  # a run without validation rows stays out of that legend
+            steps = sorted(curve)
+            style = dict(linestyle=styles[i % len(styles)], marker=marker, markersize=4, color=f"C{i}",
+                         label=run.label)
+            top.plot(steps, [curve[s] for s in steps], **style)
+            if i:
+                common = sorted(set(curve) & set(reference))
+                bottom.plot(common, [curve[s] - reference[s] for s in common], **style)
+        bottom.axhline(0.0, color="0.6", linewidth=0.8)
+        top.set_ylabel(name)
+        top.legend()
+        bottom.set_xlabel("step")
+        bottom.set_ylabel(f"{name} − {runs[0].label}")
+    fig.suptitle(f"rtol={rtol}: {'PASS' if ok else 'FAIL'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=120)
 
@@ -229,10 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Every run is compared with the first one; runs with different step sets are "
                "compared on their common steps and the missing ones are counted.")
     parser.add_argument("runs", nargs="+",
-                        help="run directories (metrics.jsonl, else wandb/offline-run-*), metrics JSONL files, "
-                             "wandb offline run directories or .wandb files; the first is the reference")
+                        help="run directories (their metrics.jsonl) or metrics JSONL files; "
+                             "the first is the reference")
     parser.add_argument("--rtol", type=float, default=0.0,
-                        help="largest per-step relative loss difference that passes (0: bitwise identical)")
+                        help="largest per-step relative loss difference, training or validation, that "
+                             "passes (0: bitwise identical)")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="write compare.png and compare.md into DIR")
     parser.add_argument("--plot", type=Path, metavar="PATH.png",
@@ -250,12 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     def _run() -> int:
         runs = [load_run(spec, label) for spec, label in zip(args.runs, run_labels(args.runs))]
         comparisons = [compare_runs(runs[0], run) for run in runs[1:]]
-        ok = all(c.passes(args.rtol) for c in comparisons)
-        print_report(runs, comparisons, args.rtol, ok)
+        validations = [compare_validation(runs[0], run) for run in runs[1:]]
+        ok = all(c.passes(args.rtol) for c in [*comparisons, *validations] if c is not None)
+        print_report(runs, comparisons, validations, args.rtol, ok)
         # Written whatever the verdict: a failing run's plot is the one worth reading.
         if markdown_path:
             markdown_path.parent.mkdir(parents=True, exist_ok=True)
-            markdown_path.write_text(markdown_report(runs, comparisons, args.rtol, ok), encoding="utf-8")
+            markdown_path.write_text(markdown_report(runs, comparisons, validations, args.rtol, ok),
+                                     encoding="utf-8")
             print(f"wrote {markdown_path}")
         if plot_path:
             plot_curves(runs, args.rtol, ok, plot_path)

@@ -1,4 +1,5 @@
-"""Runs one pipeline rank's action list for one optimizer step.
+"""Runs one pipeline rank's action list for one optimizer step, or a
+forward-only list for validation.
 
 The engine is transport-agnostic: it sees each neighbouring stage as a
 :class:`hetpipe.comm.stage_link.StageLink` and does not know which ranks stand
@@ -51,10 +52,12 @@ class PipelineEngine:
     def _compute(self, chunk: int):
         return compute_context(self.precision, self.device.type, self.weights, chunk)
 
-    def warm_up(self, microbatch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def warm_up(self, microbatch: tuple[torch.Tensor, torch.Tensor], forward_only: bool = False) -> None:
         """Run one forward and backward of every chunk with no communication,
         then drop the gradients, so that every compute kernel of a step is
-        loaded before any boundary transfer is in flight.
+        loaded before any boundary transfer is in flight; with
+        ``forward_only`` (the run validates) also one forward without
+        autograd, whose kernels can differ (the loss takes another path).
 
         CUDA loads kernels lazily (``CUDA_MODULE_LOADING=LAZY``, the default
         since CUDA 12.2), and loading one may synchronise the context. A
@@ -82,6 +85,9 @@ class PipelineEngine:
                 out.backward(torch.zeros_like(out))
             for p in chunk.parameters():
                 p.grad = None
+            if forward_only:
+                with torch.no_grad(), self._compute(c):
+                    chunk(x.detach(), labels.to(self.device) if is_last else None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -159,3 +165,61 @@ class PipelineEngine:
             for m in range(num_micro):  # canonical order, whatever the schedule
                 loss_sum = losses[m] if loss_sum is None else loss_sum + losses[m]
         return loss_sum
+
+    def run_forward(self, actions: Sequence[Action],
+                    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[list[torch.Tensor]]:
+        """Run a forward-only action list (:func:`hetpipe.schedules.forward_only`)
+        without autograd: no graph is built, and a boundary activation is
+        dropped once its send is posted (the send handle keeps it until the
+        transfer is done). Receives are posted ahead as in :meth:`run_step`.
+
+        Returns each microbatch's loss, in microbatch order, on the rank that
+        holds the last virtual stage, else None.
+        """
+        received: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        posted: dict[tuple[int, int], tuple[torch.Tensor, Handle]] = {}
+        sends: list[Handle] = []
+        losses: dict[int, torch.Tensor] = {}
+        recvs = [a for a in actions if a.kind == "recv_fwd"]
+        next_recv = done_recvs = 0
+
+        def post_until(limit: int) -> None:
+            nonlocal next_recv
+            while next_recv < min(len(recvs), limit):
+                a = recvs[next_recv]
+                buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+                posted[(a.microbatch, a.chunk)] = (buf, self.links[a.peer].irecv(buf, microbatch=a.microbatch,
+                                                                                 kind="fwd"))
+                next_recv += 1
+
+        with torch.no_grad():
+            for action in actions:
+                key = (action.microbatch, action.chunk)
+                if action.kind == "recv_fwd":
+                    post_until(done_recvs + self.recv_ahead)
+                    buf, handle = posted.pop(key)
+                    handle.wait()
+                    received[key] = buf
+                    done_recvs += 1
+                    post_until(done_recvs + self.recv_ahead)
+                elif action.kind == "fwd":
+                    tokens, labels = microbatches[action.microbatch]
+                    v = self.virtual_stage(action.chunk)
+                    x = tokens.to(self.device, non_blocking=True) if v == 0 else received.pop(key)
+                    is_last = v == self.num_virtual - 1
+                    with self._compute(action.chunk):
+                        out = self.chunks[action.chunk](
+                            x, labels.to(self.device, non_blocking=True) if is_last else None)
+                    if is_last:
+                        losses[action.microbatch] = out
+                    else:
+                        outputs[key] = out
+                elif action.kind == "send_fwd":
+                    sends.append(self.links[action.peer].isend(outputs.pop(key), microbatch=action.microbatch,
+                                                               kind="fwd"))
+                else:
+                    raise ValueError(f"pipeline action {action} in a forward-only run")
+        for handle in sends:
+            handle.wait()
+        return [losses[m] for m in range(len(microbatches))] if losses else None

@@ -13,6 +13,13 @@ from typing import Callable, NoReturn, TypeVar
 T = TypeVar("T")
 
 
+# Exit statuses a user (or a scheduler's requeue rule) can tell apart: bad
+# input is the user's to fix and retrying cannot help; a lost node, link or
+# peer is the cluster's, and a restart may succeed.
+EXIT_BAD_INPUT = 2
+EXIT_LOST_PEER = 3
+
+
 class HetpipeError(Exception):
     """An error caused by input (config, data, checkpoint, peer), not by a bug."""
 

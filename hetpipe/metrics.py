@@ -1,4 +1,12 @@
-"""Per-step training metrics: JSONL in the run directory, console, wandb.
+"""Per-step training metrics and validation results: JSONL in the run
+directory, console, wandb, TensorBoard.
+
+``metrics.jsonl`` is the run's record: ``python -m hetpipe.compare`` and resume
+read it, so it is written first and the same rows go everywhere else. A
+training row carries ``loss``; a validation row is a row of its own with
+``val_loss`` and ``val_ppl`` (no ``loss``), so readers of training curves
+can keep selecting rows by ``loss``. wandb and TensorBoard are mirrors for
+dashboards and get the same values under ``train/<key>`` and ``val/<key>``.
 
 Values stay on the device until a log interval ends, so logging adds one host
 synchronisation per interval, not per step (a per-step ``.item()`` would stall
@@ -43,12 +51,18 @@ class MetricsLogger:
     log_interval: int = 10
     progress: bool = True
     wandb_project: Optional[str] = None
+    wandb_mode: str = "offline"  # see LoggingConfig.wandb_mode
     wandb_config: dict[str, Any] = field(default_factory=dict)
+    tensorboard: bool = False
     # First step of this run (> 0 when resuming): earlier rows are kept.
     start_step: int = 0
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The mirrors first: a missing package fails before metrics.jsonl is
+        # rewritten or the progress bar takes over the terminal.
+        self._wandb = self._start_wandb() if self.wandb_project else None
+        self._tensorboard = self._start_tensorboard() if self.tensorboard else None
         self.path = self.run_dir / "metrics.jsonl"
         # Rows past the step this run starts from belong to a run that went on
         # after its last checkpoint; they are replaced, not duplicated.
@@ -66,15 +80,26 @@ class MetricsLogger:
                                  console=self.console)
             self._task = self._bar.add_task("train", total=self.total_steps, completed=self.start_step, loss="")
             self._bar.start()
-        self._wandb = self._start_wandb() if self.wandb_project else None
 
-    def _start_wandb(self):
+    def _start_wandb(self) -> Any:
         try:
             import wandb
         except ImportError:
             raise ConfigError("logging.wandb=true needs the wandb package: pip install 'hetpipe[wandb]'") from None
-        return wandb.init(project=self.wandb_project, dir=str(self.run_dir), mode="offline",
+        return wandb.init(project=self.wandb_project, dir=str(self.run_dir), mode=self.wandb_mode,
                           name=self.run_dir.name, config=self.wandb_config)
+
+    def _start_tensorboard(self) -> Any:
+        try:
+            # torch's writer imports the tensorboard package, which torch does not depend on.
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
+                              "pip install 'hetpipe[tensorboard]'") from None
+        # A resumed run hides the events past its checkpoint, as it replaces
+        # those rows of metrics.jsonl: TensorBoard purges steps >= purge_step.
+        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+                             purge_step=self.start_step + 1 if self.start_step else None)
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
                consumed_samples: int) -> None:
@@ -112,11 +137,48 @@ class MetricsLogger:
             })
         self._pending.clear()
         for row in rows:
-            self._file.write(json.dumps(row) + "\n")
-            if self._wandb is not None:
-                self._wandb.log(row, step=row["step"])
-        self._file.flush()
+            self._write(row, "train")
+        self._finish_writes()
         self._log_line(rows[-1])
+
+    def record_validation(self, step: int, val_loss: float, val_ppl: float) -> None:
+        """Log one validation result, taken after optimizer step ``step``.
+        Validation's time stays out of the next interval's throughput; a
+        caller validating mid-interval calls :meth:`flush` before it to keep
+        it out of the current one too."""
+        # Training rows up to this step go first: metrics.jsonl stays in step
+        # order, and wandb drops values logged at a step below one it has seen.
+        self.flush()
+        self._write({"step": step, "val_loss": float(val_loss), "val_ppl": float(val_ppl)}, "val")
+        self._finish_writes()
+        self._print(f"validation at step {step}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
+        # The next interval's throughput starts here, without validation's time.
+        self._last_time = time.perf_counter()
+
+    def _write(self, row: dict[str, Any], section: str) -> None:
+        """``row`` into metrics.jsonl as it is, and its numbers into the
+        mirrors as ``<section>/<key>`` (``val_loss`` as ``val/loss``)."""
+        self._file.write(json.dumps(row) + "\n")
+        scalars = {f"{section}/{key.removeprefix(section + '_')}": value for key, value in row.items()
+                   if key != "step" and isinstance(value, (int, float))}
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=row["step"])
+        if self._tensorboard is not None:
+            for tag, value in scalars.items():
+                self._tensorboard.add_scalar(tag, value, global_step=row["step"])
+
+    def _finish_writes(self) -> None:
+        # On disk once per log interval, like the JSONL: TensorBoard would
+        # otherwise hold events for up to two minutes (its flush_secs).
+        self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
+
+    def _print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False)
+        else:
+            print(line, flush=True)
 
     def _log_line(self, row: dict[str, Any]) -> None:
         mfu = f" | MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
@@ -125,9 +187,7 @@ class MetricsLogger:
                 f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.3f} TFLOP/s/device{mfu}")
         if self._bar is not None:
             self._bar.update(self._task, completed=row["step"], loss=f"loss {row['loss']:.4f}")
-            self._bar.console.print(line, markup=False)
-        else:
-            print(line, flush=True)
+        self._print(line)
 
     def close(self) -> None:
         self._pending.clear()
@@ -137,12 +197,16 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if not self._file.closed:
             self._file.close()
 
 
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl, in step order."""
+    """The rows of a run's metrics.jsonl, in step order: training rows
+    (with ``loss``) and validation rows (with ``val_loss``)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise HetpipeError(f"{path}: no metrics file (is {run_dir} a hetpipe run directory?)")

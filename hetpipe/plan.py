@@ -8,7 +8,8 @@ bubble, memory per device, TFLOP/s per GPU) and a ``plan.yaml`` that
 split instead of searching one; ``-m`` sweeps clusters, models and splits.
 
 ``python -m hetpipe.plan profile +model=NAME [train.seq_length=...]`` measures
-the model's units on this machine's device and adds them to a profile JSON
+the model's units on this machine's device (the decoder layer also under each
+activation-recomputation mode) and adds them to a profile JSON
 (``profiling.output``) that ``planner.profile=PATH`` feeds back to the planner.
 
 The config composes like pretrain's (the same ``model``, ``cluster`` and
@@ -71,6 +72,9 @@ class PlanConfig:
             raise ConfigError(
                 f"train.seq_length={self.train.seq_length} exceeds model {self.model.name!r}'s "
                 f"max_position_embeddings={self.model.max_position_embeddings}")
+        if self.mode == "plan" and (self.train.recompute is not None or self.train.recompute_num_layers is not None):
+            raise ConfigError("the planner chooses each stage's recomputation; constrain it with planner.recompute "
+                              "(auto, none, selective or full), not train.recompute")
         if self.mode == "plan" and (self.partition.schedule != "1f1b" or self.partition.num_chunks != 1):
             raise ConfigError(f"the planner models the 1f1b schedule without interleaving; got "
                               f"partition.schedule={self.partition.schedule}, "
@@ -117,9 +121,10 @@ def run_profile(cfg: PlanConfig) -> None:
     shape = entry["shape"]
     print(f"hetpipe profile: {cfg.model.name} on {name} ({device_type}), microbatch "
           f"{entry['micro_batch_size']} x {shape['seq_length']} tokens, {shape['precision']}")
-    for kind, m in entry["units"].items():
+    rows = [*entry["units"].items(), *((f"layer ({rc})", m) for rc, m in entry["recompute"].items())]
+    for kind, m in rows:
         peak = f", peak {m['peak_bytes'] / 2**20:.1f} MiB" if m["peak_bytes"] is not None else ""
-        print(f"  {kind:<9} forward {m['forward_s'] * 1e3:9.3f} ms  backward {m['backward_s'] * 1e3:9.3f} ms  "
+        print(f"  {kind:<17} forward {m['forward_s'] * 1e3:9.3f} ms  backward {m['backward_s'] * 1e3:9.3f} ms  "
               f"kept {m['activation_bytes'] / 2**20:9.2f} MiB{peak}")
     print(f"wrote {p.output}", flush=True)
 
@@ -132,18 +137,20 @@ def format_solution(s: Solution) -> str:
     lines = [
         f"hetpipe plan: {s.model.name} on {s.cluster.name} ({world} device{'s' * (world != 1)}: {groups})",
         f"  pipeline {' -> '.join(s.group_order)}; 1f1b, {cand.num_microbatches} microbatches of "
-        f"{cand.micro_batch_size} x {s.seq_length} tokens (global batch {s.global_batch_size}); recompute "
-        f"{'on' if cand.recompute else 'off'}; cross-vendor boundaries costed as {s.transport}",
+        f"{cand.micro_batch_size} x {s.seq_length} tokens (global batch {s.global_batch_size}); "
+        f"cross-vendor boundaries costed as {s.transport}",
         f"  costs: {', '.join(f'{g} {src}' for g, src in s.cost_source.items())}",
         "",
     ]
-    header = ("stage", "group", "device", "ranks", "TPxDP", "layers", "compute", "comm", "p2p*", "bubble",
-              "memory/device", "TFLOP/s/GPU")
+    header = ("stage", "group", "device", "ranks", "TPxDP", "layers", "recompute", "compute", "comm", "p2p*",
+              "bubble", "memory/device", "TFLOP/s/GPU")
     rows = []
     for st in s.stages:
         extras = ("+emb" if st.units[0] == 0 else "") + ("+head" if st.units[1] == s.model.num_units else "")
+        recompute = st.recompute if st.recompute_num_layers is None else \
+            f"{st.recompute} {st.recompute_num_layers}/{st.layers}"
         rows.append((str(st.index), st.group, st.device_type, _ranks(st.ranks), f"{st.tp}x{st.dp}",
-                     f"{st.layers}{extras}", f"{st.compute_s:.3f}s", f"{st.comm_s:.3f}s", f"{st.p2p_s:.3f}s",
+                     f"{st.layers}{extras}", recompute, f"{st.compute_s:.3f}s", f"{st.comm_s:.3f}s", f"{st.p2p_s:.3f}s",
                      f"{st.bubble_s:.3f}s", f"{st.memory_gib:.1f}/{st.usable_gib:.1f} GiB",
                      f"{st.tflops_per_gpu:.1f}"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -17,6 +17,7 @@ from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.model_config import ModelConfig, preset_names
 from hetpipe.models.layers import sdpa_preference
+from hetpipe.models.recompute import check_recompute
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.precision import PRECISIONS
 
@@ -62,6 +63,29 @@ class TrainConfig:
     # Profile this optimizer step (1-based) on GPU ranks: each writes
     # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
     profile_step: Optional[int] = None
+    # Activation recomputation (Megatron's --recompute-granularity; see
+    # hetpipe/models/recompute.py): none; selective (the attention core, SDPA,
+    # reruns in the backward); full (a layer keeps only its input and reruns
+    # its forward); or one mode per pipeline stage, [full, none]: only stage 0
+    # recomputes. For LLaMA-3-8B at seq 8192 on one H100 (bench_layer) a layer
+    # keeps 1090 MiB per microbatch: full keeps 65 MiB for 32 % more time,
+    # selective 1 MiB less (the log-sum-exp; SDPA's fused kernels keep no
+    # scores) for 5 % more. Applies to plans built from partition.*; null:
+    # none there, and plan=auto or a plan file brings its own per stage.
+    recompute: Any = None
+    # The first N decoder layers of each stage recompute (Megatron's
+    # --recompute-method block), or a list per stage; null: all of them.
+    recompute_num_layers: Any = None
+    # Validate every this many optimizer steps and after the last one:
+    # forward only, through the same pipeline, on data.split's validation
+    # documents or data.valid_path (Megatron's --eval-interval). None never
+    # validates.
+    eval_interval: Optional[int] = None
+    # Global batches (global_batch_size sequences each) one validation reads.
+    # Every validation reads the same ones, from the start of the validation
+    # data, so successive val_loss values differ only by the weights.
+    # Megatron's --eval-iters, and its default.
+    eval_iters: int = 100
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval"):
@@ -73,9 +97,14 @@ class TrainConfig:
                 f"train.micro_batch_size={self.micro_batch_size}")
         if self.profile_step is not None and self.profile_step < 1:
             raise ConfigError(f"train.profile_step={self.profile_step} must be a step number (1-based)")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ConfigError(f"train.eval_interval={self.eval_interval} must be positive (null never validates)")
+        if self.eval_iters < 1:
+            raise ConfigError(f"train.eval_iters={self.eval_iters} must be positive")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         sdpa_preference(self.attention_backend)  # raises ConfigError naming the bad value
+        check_recompute(self.recompute, self.recompute_num_layers)
 
 
 @dataclass
@@ -112,21 +141,60 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    # Prefix of a Megatron .bin/.idx pair, or "demo" for the built-in corpus
-    # (the Python standard library's source, tokenized on first use).
+    # Prefix of a Megatron .bin/.idx pair, "demo" for the built-in corpus
+    # (the Python standard library's source, tokenized on first use), or
+    # Megatron's weighted blend "w1 prefix1 w2 prefix2 ..." so that a
+    # Megatron --data-path carries over as it is. Weights are relative; each
+    # global sample goes to the source furthest below its share (Megatron's
+    # rule, no randomness), and each source keeps its own shuffled epochs.
     path: str = "demo"
     # "byte" (built-in byte-level tokenizer) or a local HF tokenizer directory;
     # must be the tokenizer the data was preprocessed with.
     tokenizer: str = "byte"
+    # Megatron's --split "train,valid,test" weights, e.g. "969,30,1": each
+    # source's documents are cut into contiguous ranges in that proportion,
+    # train first, so validation never sees a training document; validation
+    # reads the second range, nothing reads the third yet. None trains on
+    # every document (the sample order of runs from before splits existed).
+    # Quote it on the command line, data.split="'969,30,1'": hydra reads a
+    # bare comma list as a sweep.
+    split: Optional[str] = None
+    # Validation data of its own instead of a split: a prefix or a blend, as
+    # `path`, read whole; training then reads every document of `path`.
+    valid_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from hetpipe.data.sources import parse_data_path
+        from hetpipe.data.split import parse_split
+
+        parse_data_path(self.path, "data.path")
+        if self.split is not None:
+            parse_split(self.split)
+        if self.valid_path is not None:
+            parse_data_path(self.valid_path, "data.valid_path")
+            if self.split is not None:
+                raise ConfigError("data.split and data.valid_path both choose the validation data; set one of them")
 
 
 @dataclass
 class LoggingConfig:
-    # Mirror metrics to a wandb run in offline mode (needs the wandb package).
+    # Mirror metrics to a wandb run (needs the wandb package).
     wandb: bool = False
     wandb_project: str = "hetpipe"
+    # offline: the run is written under the run directory (`wandb sync` uploads
+    # it later). The default because training nodes often cannot reach wandb's
+    # servers, where an online run would stall or fail at start. online:
+    # streamed as it trains (needs `wandb login` or WANDB_API_KEY).
+    wandb_mode: str = "offline"
+    # Write training and validation scalars to <run dir>/tensorboard/ (needs
+    # the tensorboard package).
+    tensorboard: bool = False
     # Show a rich progress bar on a terminal.
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("offline", "online"):
+            raise ConfigError(f"logging.wandb_mode={self.wandb_mode!r} must be offline or online")
 
 
 @dataclass

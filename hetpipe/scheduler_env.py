@@ -27,7 +27,6 @@ import argparse
 import os
 import re
 import shlex
-import stat
 import sys
 from dataclasses import dataclass
 from importlib.resources import files
@@ -38,6 +37,8 @@ from omegaconf import OmegaConf
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError, HetpipeError, run_cli
+# The token-file rules live in job_secret (one implementation); read_token_file stays importable from here.
+from hetpipe.job_secret import find_job_secret, read_token_file  # noqa: F401
 
 SCHEDULERS = ("auto", "env", "slurm", "k8s")
 # torch's own default for a c10d rendezvous endpoint without a port.
@@ -370,34 +371,11 @@ def derive(env: Mapping[str, str], cluster: ClusterConfig, scheduler: str = "aut
     return {"env": from_env, "slurm": from_slurm, "k8s": from_k8s}[scheduler](env, cluster)
 
 
-def read_token_file(path: str) -> str:
-    """The job token in ``path``, which only its owner may read or write."""
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"HETPIPE_JOB_TOKEN_FILE={path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise ConfigError(f"HETPIPE_JOB_TOKEN_FILE={path} is open to group or others "
-                              f"(mode {stat.S_IMODE(info.st_mode):04o}): chmod 600 it")
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"HETPIPE_JOB_TOKEN_FILE={path} cannot be read: {exc.strerror}") from None
-    if not token:
-        raise ConfigError(f"HETPIPE_JOB_TOKEN_FILE={path} is empty")
-    return token
-
-
 def check_job_token(env: Mapping[str, str], nnodes: int) -> None:
     """Every node of a multi-node job must bring the same secret itself; it is
     never drawn by rank 0 and shared through the rendezvous store, which any
     host that reaches the endpoint could read."""
-    if env.get("HETPIPE_JOB_TOKEN"):
-        return
-    if env.get("HETPIPE_JOB_TOKEN_FILE"):
-        read_token_file(env["HETPIPE_JOB_TOKEN_FILE"])
-        return
-    if nnodes > 1:
+    if find_job_secret(env) is None and nnodes > 1:
         raise ConfigError(f"HETPIPE_JOB_TOKEN is not set: a job on {nnodes} nodes needs the same secret on "
                           "every node, in HETPIPE_JOB_TOKEN or in a file named by HETPIPE_JOB_TOKEN_FILE")
 
@@ -446,6 +424,22 @@ def load_cluster(name: str, updates: Sequence[tuple[str, str]] = ()) -> ClusterC
     return cluster
 
 
+def local_address(cluster: ClusterConfig) -> str:
+    """This node's first channel NIC address (``cluster.transport``), for torchrun's --local-addr.
+
+    torchrun otherwise publishes the address this host's name resolves to,
+    often loopback (always inside a network namespace, which keeps the host's
+    name), and the other nodes' ranks then dial their own loopback for the
+    store. A wildcard is refused here, before torchrun starts; loopback is
+    left to the ranks, which know whether the nodes share one host.
+    """
+    from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting
+
+    addresses = [nic.address for nic in resolve_local_nics(cluster.transport)]
+    check_dialable(addresses, False, selection_setting(cluster.transport))
+    return addresses[0]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m hetpipe.scheduler_env",
@@ -462,8 +456,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cluster = load_cluster(*cluster_choice(args.cluster, args.overrides))
         launch = derive(os.environ, cluster, args.scheduler)
         check_job_token(os.environ, launch.nnodes)
+        local = local_address(cluster) if launch.nnodes > 1 else None
         print(launch.summary(), file=sys.stderr)
         print(launch.shell())
+        if local is not None:
+            print(f"export HETPIPE_LOCAL_ADDR={shlex.quote(local)}")
 
     run_cli(run)
 

@@ -114,19 +114,11 @@ def interleaved_one_f_one_b(
         raise ConfigError(
             f"interleaved_1f1b needs num_chunks >= 2, got {num_chunks}; use 1f1b for one chunk per rank"
         )
-    if num_microbatches % num_stages:
-        raise ConfigError(
-            f"interleaved_1f1b needs num_microbatches ({num_microbatches}) to be a multiple "
-            f"of the pipeline size ({num_stages})"
-        )
+    _check_groups("interleaved_1f1b", num_stages, num_microbatches)
     total = num_microbatches * num_chunks
 
     def unit(k: int, kind: str) -> Compute:
-        group, within = divmod(k, num_stages * num_chunks)
-        chunk = within // num_stages
-        if kind == BWD:
-            chunk = num_chunks - 1 - chunk
-        return kind, group * num_stages + within % num_stages, chunk
+        return _interleaved_unit(k, kind, num_stages, num_chunks)
 
     orders = []
     for rank in range(num_stages):
@@ -137,6 +129,22 @@ def interleaved_one_f_one_b(
         order += [unit(k, BWD) for k in range(total - warmup, total)]
         orders.append(order)
     return _with_communication(orders, num_chunks)
+
+
+def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> list[list[Action]]:
+    """Validation: every rank receives, forwards and sends each microbatch; no backward.
+
+    Each rank runs the forwards in the order its training schedule does
+    (microbatch order; interleaved units for several chunks), so every pair
+    of ranks carries its messages in the order the receiver consumes them,
+    and a rank only ever waits for an earlier virtual stage: no deadlock, and
+    nothing is kept once it has been sent on.
+    """
+    _check_sizes(num_stages, num_microbatches, num_chunks)
+    if num_chunks > 1:
+        _check_groups("forward_only with several chunks", num_stages, num_microbatches)
+    order = [_interleaved_unit(k, FWD, num_stages, num_chunks) for k in range(num_microbatches * num_chunks)]
+    return _with_communication([order] * num_stages, num_chunks)
 
 
 def build_schedule(
@@ -160,6 +168,25 @@ def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> Non
                          ("num_chunks", num_chunks)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{label} must be a positive integer, got {value!r}")
+
+
+def _check_groups(name: str, num_stages: int, num_microbatches: int) -> None:
+    if num_microbatches % num_stages:
+        raise ConfigError(
+            f"{name} needs num_microbatches ({num_microbatches}) to be a multiple "
+            f"of the pipeline size ({num_stages})"
+        )
+
+
+def _interleaved_unit(k: int, kind: str, num_stages: int, num_chunks: int) -> Compute:
+    """The k-th forward (or backward) of a rank under interleaving: groups of
+    ``num_stages`` microbatches per chunk, chunks in reverse for backwards.
+    With one chunk it is simply microbatch ``k``."""
+    group, within = divmod(k, num_stages * num_chunks)
+    chunk = within // num_stages
+    if kind == BWD:
+        chunk = num_chunks - 1 - chunk
+    return kind, group * num_stages + within % num_stages, chunk
 
 
 def _input_stage(kind: str, stage: int, last: int) -> int | None:
@@ -211,6 +238,7 @@ class SimulationResult:
 
     # Per rank, the peak number of (microbatch, chunk) units forwarded but not
     # yet backwarded: the activation memory the schedule needs, in units.
+    # Forward-only, a unit's activations are freed as soon as it is computed.
     max_live_activations: list[int]
     # Rounds until every list finished, each rank doing at most one action a
     # round: a rough makespan, larger when the pipeline bubble is.
@@ -222,7 +250,7 @@ def _describe(msg: Message) -> str:
     return f"{'F' if kind == FWD else 'B'}{mb} from virtual stage {stage}"
 
 
-def simulate(schedules: list[list[Action]], num_chunks: int = 1) -> SimulationResult:
+def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: bool = False) -> SimulationResult:
     """Run all ranks' action lists together and check every pipeline rule.
 
     Each round every rank attempts its next action. Sends never block and are
@@ -231,7 +259,9 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1) -> SimulationRe
     the expected message. Raises :class:`ScheduleError` on a deadlock, a
     mismatched or missing message, a computation without its input, a
     backward before its forward or out of microbatch order, or a
-    (microbatch, virtual stage) not computed exactly once each way.
+    (microbatch, virtual stage) not computed exactly once each way. With
+    ``forward_only`` (validation) any backward action is an error and only
+    forwards must be complete.
     """
     num_ranks = len(schedules)
     if num_ranks == 0:
@@ -267,6 +297,8 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1) -> SimulationRe
         """Do ``action``; False when it is a receive that must wait."""
         if action.kind not in ACTION_KINDS:
             raise ScheduleError(f"rank {rank}: unknown action kind {action.kind!r}")
+        if forward_only and action.kind in (RECV_BWD, BWD, SEND_BWD):
+            raise ScheduleError(f"rank {rank}: {action} in a forward-only schedule")
         if not 0 <= action.chunk < num_chunks or action.microbatch < 0:
             raise ScheduleError(f"rank {rank}: {action} names a chunk or microbatch out of range")
         stage = action.chunk * num_ranks + rank
@@ -281,6 +313,8 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1) -> SimulationRe
                 forwarded.add(unit)
                 live[rank] += 1
                 peak[rank] = max(peak[rank], live[rank])
+                if forward_only:
+                    live[rank] -= 1  # no graph is kept: nothing waits for a backward
                 return True
             if unit in backwarded:
                 raise ScheduleError(f"rank {rank}: {action} runs twice")
@@ -346,9 +380,10 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1) -> SimulationRe
         if msgs:
             raise ScheduleError(f"rank {rank} received {_describe(min(msgs))} but never used it")
     num_microbatches = 1 + max((mb for mb, _ in forwarded | backwarded), default=-1)
+    required = ((forwarded, "forward"),) if forward_only else ((forwarded, "forward"), (backwarded, "backward"))
     for mb in range(num_microbatches):
         for stage in range(last + 1):
-            for done, name in ((forwarded, "forward"), (backwarded, "backward")):
+            for done, name in required:
                 if (mb, stage) not in done:
                     raise ScheduleError(f"microbatch {mb} has no {name} on virtual stage {stage} "
                                         f"(rank {stage % num_ranks}, chunk {stage // num_ranks})")

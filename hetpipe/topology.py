@@ -7,11 +7,19 @@ group gets its own communicator - ``nccl`` on GPUs, which is RCCL on a ROCm
 build - or gloo on CPU ranks. Neighbouring stages in the same vendor group talk
 through that group; stages on either side of a vendor line talk through the
 configured cross-vendor channel.
+
+Before any group exists, each rank resolves its node's NICs from
+``cluster.transport`` (:mod:`hetpipe.comm.nics`), answers the roll call
+(:mod:`hetpipe.nodes`) and arms the job's watch (:mod:`hetpipe.job_watch`);
+on a multi-node job gloo and NCCL are pointed at the same NICs, so the world
+group never falls back to the address the host name resolves to (often
+loopback). Every group waits at most the transport deadline, so a node that
+is missing or gone stops the job within it instead of after gloo's 30 minutes.
 """
 from __future__ import annotations
 
 import os
-import secrets
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -21,10 +29,38 @@ import torch.distributed as dist
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.factory import build_rank_channels
+from hetpipe.comm.nics import Nic, check_dialable, resolve_local_nics, selection_setting, socket_ifname
 from hetpipe.comm.stage_link import StageLink
 from hetpipe.comm.vendor import detect_vendor
 from hetpipe.errors import ConfigError
+from hetpipe.job_secret import require_job_secret
+from hetpipe.job_watch import JobWatch
+from hetpipe.nodes import NodeMap, roll_call
 from hetpipe.partitioner.plan import Plan
+
+
+def launched_multi_node(cluster: ClusterConfig) -> bool:
+    """The job spans more than one node: the cluster config says so, or the launcher
+    started more than one (launch_cluster.sh's HETPIPE_NNODES, torchrun's GROUP_WORLD_SIZE)."""
+    counts = (os.environ.get(name, "").strip() for name in ("HETPIPE_NNODES", "GROUP_WORLD_SIZE"))
+    return not cluster.single_node or any(c.isdigit() and int(c) > 1 for c in counts)
+
+
+def point_socket_interfaces(nics: list[Nic]) -> str:
+    """Point gloo and NCCL/RCCL at ``nics`` unless the user chose interfaces; says what was done.
+
+    NCCL's value starts with ``=``: NCCL matches names as prefixes otherwise
+    (eth1 would also take eth10); gloo matches exactly and takes no prefix.
+    """
+    names = socket_ifname(nics)
+    said = []
+    for variable, value in (("GLOO_SOCKET_IFNAME", names), ("NCCL_SOCKET_IFNAME", f"={names}")):
+        if os.environ.get(variable):
+            said.append(f"{variable}={os.environ[variable]} (yours, kept)")
+        else:
+            os.environ[variable] = value
+            said.append(f"{variable}={value}")
+    return ", ".join(said)
 
 
 def check_group_vendor(cluster: ClusterConfig, group: GroupConfig) -> None:
@@ -80,6 +116,10 @@ class Topology:
         self.embedding_group: Optional[dist.ProcessGroup] = None
         self.channels: dict[int, StageLink] = {}
         self.store: Optional[dist.Store] = None  # the rendezvous store, from init_process_groups
+        # From init_process_groups: this node's channel NICs, every rank's node, the job's watch.
+        self.nics: list[Nic] = []
+        self.nodes: Optional[NodeMap] = None
+        self.watch: Optional[JobWatch] = None
 
     @property
     def pipeline_size(self) -> int:
@@ -140,13 +180,15 @@ class Topology:
         """Create the world, vendor, TP, DP, boundary and embedding groups (same order on every rank)."""
         if self.world_size == 1:
             return
-        # The store is kept for the channels' endpoint exchange and the job
-        # token; torch has no public way to get it back from the default
+        # The store is kept for the channels' endpoint exchange (never for the
+        # job secret: see job_token); torch has no public way to get it back from the default
         # group, so it is made here (torchrun's agent store under a launcher).
-        self.store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size))
+        deadline = timedelta(seconds=self.cluster.transport.deadline_s)
+        self.store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size, timeout=deadline))
+        self._join_nodes()
         # PrefixStore("default_pg"): the keys init_process_group would give the group itself.
         dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", self.store), rank=self.rank,
-                                world_size=self.world_size)
+                                world_size=self.world_size, timeout=deadline)
         for i, g in enumerate(self.cluster.groups):
             self.vendor_groups.append(self._new_group(self.cluster.group_ranks(i), g))
         for st in self.stages:
@@ -167,7 +209,6 @@ class Topology:
         # stage boundary (see comm/p2p.py for why NCCL needs this).
         # NCCL boundary waits do not block the host (comm/p2p.py), so the
         # group's own timeout (NCCL's watchdog) is what enforces the deadline.
-        deadline = timedelta(seconds=self.cluster.transport.deadline_s)
         for src, dst in self._same_vendor_directions():
             group = self._new_group([src, dst], self.cluster.group_of(src)[1], timeout=deadline,
                                     max_ctas=self.cluster.transport.nccl_max_ctas)
@@ -177,9 +218,44 @@ class Topology:
         if tied_embeddings and last != 0:
             first_stage, last_stage = self.stages[0], self.stages[last]
             for i, (a, b) in enumerate(zip(first_stage.ranks, last_stage.ranks)):
-                group = dist.new_group([a, b], backend="gloo")
+                group = dist.new_group([a, b], backend="gloo", timeout=deadline)
                 if self.rank in (a, b):
                     self.embedding_group = group
+
+    def _join_nodes(self) -> None:
+        """This node's NICs, the roll call, the job's watch, and gloo/NCCL pointed at the NICs."""
+        transport = self.cluster.transport
+        self.watch = JobWatch(self.store, self.rank, transport.deadline_s).install()
+        multi_node = launched_multi_node(self.cluster)
+        setting = selection_setting(transport)
+        nics = resolve_local_nics(transport)
+        addresses = [nic.address for nic in nics]
+        check_dialable(addresses, False, setting)  # a wildcard is refused on one host too
+        self.nodes = roll_call(self.store, self.rank, NodeMap.layout(self.cluster, multi_node), addresses,
+                               transport.deadline_s, self.watch.posted)
+        # Loopback joins ranks that share a network stack, which the roll call has just seen.
+        check_dialable(addresses, self.nodes.multi_host, setting)
+        self.nics = nics
+        if multi_node:
+            sockets = point_socket_interfaces(nics)
+            if self.local_rank == 0:
+                print(f"hetpipe: {self.nodes.label_of(self.rank)}: NICs "
+                      f"{', '.join(f'{n.name} {n.address}' for n in nics)} ({setting}); {sockets}",
+                      file=sys.stderr, flush=True)
+        self.watch.arm(self.nodes, nics, self._cross_node_boundaries())
+
+    def _cross_node_boundaries(self) -> list[tuple[int, int, str]]:
+        """(rank on this node, rank on another node, "stage 1 <-> stage 2") for every
+        pipeline boundary between this node and another."""
+        node_of = self.nodes.node_of
+        stage_of = {r: s for s, st in enumerate(self.stages) for r in st.ranks}
+        here = node_of[self.rank]
+        found = []
+        for x, y in sorted({tuple(sorted(p)) for a, b in self._stage_pairs() for p in self.routes(a, b)}):
+            if node_of[x] != node_of[y] and here in (node_of[x], node_of[y]):
+                mine, peer = (x, y) if node_of[x] == here else (y, x)
+                found.append((mine, peer, f"stage {stage_of[mine]} <-> stage {stage_of[peer]}"))
+        return found
 
     def gemm_sm_carveout(self) -> int:
         """SMs this rank's GEMMs leave to its boundary NCCL kernels
@@ -219,7 +295,8 @@ class Topology:
         member present, rather than inside the first training step. ``max_ctas``
         caps the communicator's CTAs (cluster.transport.nccl_max_ctas)."""
         if group.on_cpu:  # gloo waits block the host and carry the channel's deadline themselves
-            return dist.new_group(ranks, backend="gloo")
+            return dist.new_group(ranks, backend="gloo",
+                                  timeout=timeout or timedelta(seconds=self.cluster.transport.deadline_s))
         extra = {"timeout": timeout} if timeout is not None else {}
         if self.rank in ranks:
             extra["device_id"] = self.device
@@ -235,14 +312,15 @@ class Topology:
         return sorted(d for d in pairs if d[0] != d[1] and not self.is_cross_vendor(*d))
 
     def job_token(self) -> str:
-        """The job's shared secret for channel handshakes: $HETPIPE_JOB_TOKEN (set by
-        the launcher), else one rank 0 draws and shares through the rendezvous store."""
-        token = os.environ.get("HETPIPE_JOB_TOKEN")
-        if token:
-            return token
-        if self.rank == 0:
-            self.store.set("hetpipe/job_token", secrets.token_hex(16))
-        return self.store.get("hetpipe/job_token").decode()
+        """The job's shared secret for the socket channels' handshakes, from the launcher's
+        environment or an owner-only file (:mod:`hetpipe.job_secret`), never through the
+        store, which anyone who reaches it can read and rewrite. Asked on every rank, so a
+        job that needs one and has none stops on every rank with the same line; '' for a
+        job whose boundaries need no handshake (all same-vendor, or the gloo transport)."""
+        crosses = any(self.is_cross_vendor(*d) for a, b in self._stage_pairs() for d in self.routes(a, b))
+        if not crosses or self.cluster.transport.kind == "gloo":
+            return ""
+        return require_job_secret(os.environ)
 
     def build_channels(self) -> dict[int, StageLink]:
         """One link per neighbouring *stage*, keyed by its pipeline index.
@@ -252,7 +330,7 @@ class Topology:
         channel (the vendor group's own P2P, or the configured cross-vendor
         channel), and a :class:`StageLink` maps a stage to those ranks.
         """
-        token = self.job_token()  # on every rank: rank 0 may have no cross-vendor peer
+        token = self.job_token()  # on every rank: a missing secret stops all of them alike
         targets: dict[int, list[int]] = {}
         sources: dict[int, int] = {}
         for s in self.neighbours:
@@ -263,12 +341,15 @@ class Topology:
             self.rank, same_vendor=[r for r in peers if not self.is_cross_vendor(self.rank, r)],
             cross_vendor=[r for r in peers if self.is_cross_vendor(self.rank, r)],
             names={r: self.stage_name(r) for r in range(self.world_size)}, store=self.store, cluster=self.cluster,
-            token=token, device=self.device, p2p_groups=self.p2p_groups)
+            token=token, device=self.device, p2p_groups=self.p2p_groups, nics=self.nics,
+            on_failure=self.watch.report if self.watch is not None else None)
         for s in self.neighbours:
             self.channels[s] = StageLink(self.rank, s, f"stage {s}", targets[s], sources[s], self._rank_channels)
         return self.channels
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         for channel in set(getattr(self, "_rank_channels", {}).values()):
             channel.close()
         self.channels.clear()

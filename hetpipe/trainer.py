@@ -28,6 +28,7 @@ from hetpipe.comm.vendor import accelerator_name, detect_vendor
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
+from hetpipe.evaluate import build_validator, validation_loader
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
 from hetpipe.launch import launch, rank_env, under_torchrun
 from hetpipe.metrics import MetricsLogger
@@ -35,6 +36,7 @@ from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
 from hetpipe.models.parallelize import parallelize_tensor
+from hetpipe.models.recompute import set_recompute
 from hetpipe.parallel.checkpoint import gather_for_save, shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
@@ -113,6 +115,7 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
         for group in cfg.cluster.groups:
             check_group_vendor(cfg.cluster, group)
     _loader(cfg)
+    validation_loader(cfg)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
     # The ranks run the plan decided here (plan=auto solves once, not per rank).
     return launch(cfg.cluster, run_rank, cfg_dict, plan.to_yaml(), str(run_dir))
@@ -122,7 +125,8 @@ def _loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> Microbat
     t = cfg.train
     return MicrobatchLoader(cfg.data.path, cfg.data.tokenizer, seq_length=t.seq_length,
                             global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                            vocab_size=cfg.model.vocab_size, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size)
+                            vocab_size=cfg.model.vocab_size, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
+                            split=cfg.data.split)
 
 
 def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
@@ -148,6 +152,8 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
             chunk = parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
                                        sequence_parallel=cfg.partition.sequence_parallel)
         set_attention_backend(chunk, cfg.train.attention_backend)
+        stage = plan.stages[c * P + topo.pp_rank]
+        set_recompute(chunk, stage.recompute, stage.recompute_num_layers)
         if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
             fuse_elementwise(chunk)
             if c == 0 and topo.local_rank == 0 and detect_vendor() == "amd":
@@ -198,7 +204,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
         # HETPIPE_SKIP_WARMUP=1 is for reproducing the deadlock it prevents).
         # Before the DP reducer exists: its hooks would count these gradients.
         shape = (t.micro_batch_size, t.seq_length)
-        engine.warm_up((torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)))
+        engine.warm_up((torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)),
+                       forward_only=t.eval_interval is not None)
     reducer = None
     if topo.dp_size > 1:
         reducer = GradReducer(chunks, topo.dp_group, bucket_bytes=int(cfg.partition.grad_bucket_mb * 2**20),
@@ -210,6 +217,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     counts_loss = is_last_stage and topo.tp_rank == 0
     global_microbatches = loader.num_microbatches * topo.dp_size
     writer = topo.dp_rank == 0 and topo.tp_rank == 0
+    validator = build_validator(cfg, plan, topo, engine, counts_loss, weights)
 
     start = restore(cfg.checkpoint, run_dir, chunks, optimizer, loader, topo.rank, topo.world_size, cfg.model,
                     shard=shard_fn(chunks))
@@ -225,6 +233,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             num_devices=topo.world_size, peak_tflops=peak_tflops(cfg, device),
             log_interval=t.log_interval, progress=cfg.logging.progress,
             wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+            wandb_mode=cfg.logging.wandb_mode, tensorboard=cfg.logging.tensorboard,
             wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)))
         layers = [s.layers for s in plan.stages]
         degrees = sorted({(s.tp, s.dp) for s in plan.stages})
@@ -264,6 +273,12 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             losses.append(mean_loss)
             if logger is not None:
                 logger.record(step + 1, mean_loss, grad_norm, lr, loader.state_dict()["consumed_samples"])
+            if validator is not None and validator.due(step + 1, t.train_iters):
+                if logger is not None:
+                    logger.flush()  # validation's time stays out of this interval's throughput
+                val_loss, val_ppl = validator.run()
+                if logger is not None:
+                    logger.record_validation(step + 1, val_loss, val_ppl)
             if should_save(cfg.checkpoint, step + 1, t.train_iters):
                 if logger is not None:
                     logger.flush()  # metrics up to the checkpoint are on disk with it

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
@@ -186,8 +187,16 @@ class Attention(nn.Module):
     fused = False
     # Set per instance by set_attention_backend(); None: torch's own choice.
     sdpa_backends: Optional[tuple] = None
+    # Set per instance by hetpipe.models.recompute.set_recompute (train.recompute=selective).
+    recompute_core = False
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.recompute_core:
+            # The attention core reruns in the backward from the q, k, v it keeps.
+            return checkpoint(self._sdpa_core, q, k, v, use_reentrant=False)
+        return self._sdpa_core(q, k, v)
+
+    def _sdpa_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         gqa = self.num_groups != self.num_heads
         if self.sdpa_backends is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

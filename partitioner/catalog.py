@@ -5,7 +5,9 @@ numbers; memory is the HBM capacity; links are the per-GPU intra-node fabric
 bandwidth (NVLink / Infinity Fabric, both directions added) and the host link
 (PCIe, one direction). Sources, as of 2026, are listed in docs/partitioner.md:
 NVIDIA H100 and H200 product briefs and datasheets, the NVIDIA A100 datasheet,
-AMD Instinct MI250X, MI300X and MI325X datasheets.
+AMD Instinct MI250X, MI300X and MI325X datasheets. An entry is what one rank
+drives: an MI250X is two GCDs, each its own device to PyTorch, so its entry
+is one GCD (half the module's figures).
 
 ``efficiency`` is the fraction of the dense peak that a training step's model
 FLOPs reach on that device when the partitioner has no measured profile. It is
@@ -61,7 +63,9 @@ CATALOG: dict[str, DeviceSpec] = {spec.name: spec for spec in (
     DeviceSpec("H100", "nvidia", 989.0, 80.0, 3.35, 900.0, 64.0, 0.55),     # H100 SXM5
     DeviceSpec("H200", "nvidia", 989.0, 141.0, 4.8, 900.0, 64.0, 0.55),     # H200 SXM
     DeviceSpec("A100", "nvidia", 312.0, 80.0, 2.039, 600.0, 32.0, 0.55),    # A100 80GB SXM4
-    DeviceSpec("MI250X", "amd", 383.0, 128.0, 3.2, 800.0, 32.0, 0.40),      # per OAM (2 GCDs)
+    DeviceSpec("A100-40GB", "nvidia", 312.0, 40.0, 1.555, 600.0, 32.0, 0.55),  # A100 40GB SXM4
+    # One GCD: half of the OAM's 383 TFLOP/s, 128 GB, 3.2 TB/s and 8 x 100 GB/s links.
+    DeviceSpec("MI250X", "amd", 191.5, 64.0, 1.6, 400.0, 32.0, 0.40),
     DeviceSpec("MI300X", "amd", 1307.4, 192.0, 5.3, 896.0, 64.0, 0.40),
     DeviceSpec("MI325X", "amd", 1307.4, 256.0, 6.0, 896.0, 64.0, 0.40),
     # Nominal, emulation only; copies between "device" and host are memcpys.
@@ -113,14 +117,16 @@ def catalog_with(overrides: Optional[Mapping[str, Mapping[str, Any]]],
 def detect_device_type(device_name: str, catalog: Optional[Mapping[str, DeviceSpec]] = None) -> str:
     """Map a runtime device name ('NVIDIA H200', 'AMD Instinct MI300X', 'cpu') to a catalog key.
 
-    Longer keys are tried first so that e.g. 'MI325X' is not taken for 'MI300X'.
-    Unrecognised accelerators map to '' (no known peak: MFU is not reported).
+    A key matches when each of its dash-separated parts is in the name
+    ('A100-40GB' matches 'NVIDIA A100-SXM4-40GB'); longer keys are tried first
+    so that e.g. 'MI325X' is not taken for 'MI300X', nor an A100-40GB for an
+    A100. Unrecognised accelerators map to '' (no known peak: MFU is not reported).
     """
     catalog = CATALOG if catalog is None else catalog
     upper = device_name.upper()
     if upper == "CPU":
         return "CPU"
     for key in sorted(catalog, key=len, reverse=True):
-        if key != "CPU" and key.upper() in upper:
+        if key != "CPU" and all(part in upper for part in key.upper().split("-")):
             return key
     return ""

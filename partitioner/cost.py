@@ -9,7 +9,9 @@ devices. This module answers those questions, from a measured profile
 catalog otherwise:
 
 * compute time = Megatron model FLOPs / (dense peak x efficiency); the
-  backward is twice the forward, and full recomputation adds one forward;
+  backward is twice the forward; recomputation adds a layer's forward (full)
+  or its attention core's (selective) to the backward and keeps less (see
+  :func:`unit_costs`);
 * memory follows what hetpipe's trainer keeps: fp32 main weights (4
   bytes/param), fp32 gradients (4), Adam m and v (8; divided by DP with a
   distributed optimizer), in bf16 mode a bf16 working copy of the weights (2),
@@ -134,7 +136,8 @@ class StageShape:
     tp: int
     micro_batch_size: int
     seq_length: int
-    recompute: bool
+    # Activation recomputation of every decoder layer: none, selective or full.
+    recompute: str = "none"
 
 
 @dataclass
@@ -145,7 +148,7 @@ class UnitCosts:
     per device of a stage, per microbatch where that applies.
     """
     forward_s: np.ndarray
-    # Includes the recomputed forward of a layer under full recomputation.
+    # Includes the rerun forward (or attention core) of a recomputing layer.
     backward_s: np.ndarray
     # Blocking TP all-reduces of a microbatch (forward, backward, recompute).
     tp_comm_s: np.ndarray
@@ -328,23 +331,29 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
     fwd[0] = 2.0 * b * s * h * r / bandwidth
     bwd[0] = (b * s * h * r + 2.0 * v * h / tp * GRAD_BYTES) / bandwidth
 
+    # The attention core's forward (what selective recomputation reruns):
+    # QK^T and the product with V, counted in full like Megatron's formula,
+    # so the same efficiency calibrates it.
+    core_s = 4.0 * b * s * s * model.num_attention_heads * model.head_dim / tp / rate
+
     act, transient = _analytic_memory(model, b, s, tp, prec, params)
-    source = "analytic"
+    source, measured = "analytic", None
     if profile is not None:
-        scale = b / profile["micro_batch_size"]
-        fwd, bwd = _measured_times(profile, model, scale, tp)
+        source, scale = "profile", b / profile["micro_batch_size"]
+        # A layer measured in this recomputation mode stands in for the layer measured without.
+        measured = profile.get("recompute", {}).get(shape.recompute)
+        units = profile["units"] if measured is None else {**profile["units"], "layer": measured}
+        fwd, bwd = _measured_times(units, model, scale, tp)
         # The analytic model says how TP divides a unit's saved tensors; the
         # measurement (at TP 1) says how many bytes there are.
         act_tp1 = _analytic_memory(model, b, s, 1, prec, unit_params(model, 1, head_shares_embedding))[0]
-        act, transient = _measured_memory(profile, model, scale, act / act_tp1, transient)
-        source = "profile"
-
-    if shape.recompute:
-        # Full recomputation: a layer keeps only its input and rebuilds the rest
-        # (with its weight copies) during its backward.
-        transient[layers] = np.maximum(transient[layers], act[layers])
-        act[layers] = b * s * h * r
-        bwd[layers] += fwd[layers]
+        if measured is not None:
+            act, transient = _recompute_memory(act, transient, model, b, s, tp, prec, shape.recompute)
+            act_tp1 = _recompute_memory(act_tp1, transient, model, b, s, 1, prec, shape.recompute)[0]
+        act, transient = _measured_memory(units, model, scale, act / act_tp1, transient)
+    if measured is None:
+        bwd[layers] += _recompute_s(shape.recompute, fwd[layers], core_s)
+        act, transient = _recompute_memory(act, transient, model, b, s, tp, prec, shape.recompute)
 
     tp_comm = np.zeros(model.num_units)
     if tp > 1:
@@ -355,7 +364,7 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
         # Megatron TP: two all-reduces per layer forward, two backward, two
         # more when the forward is recomputed; vocab-parallel embedding and
         # cross-entropy add one each way.
-        per_layer = (4 + (2 if shape.recompute else 0)) * ar(b * s * h * e)
+        per_layer = (4 + (2 if shape.recompute == "full" else 0)) * ar(b * s * h * e)
         tp_comm[layers] = per_layer
         tp_comm[0] = ar(b * s * h * r)
         tp_comm[-1] = ar(b * s * h * e) + 3 * ar(b * s * 4.0)
@@ -363,6 +372,39 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
     return UnitCosts(forward_s=fwd, backward_s=bwd, tp_comm_s=tp_comm, flops=3.0 * flops_fwd, params=params,
                      activation_bytes=act, transient_bytes=transient,
                      boundary_bytes=float(b * s * h * r / tp), source=source)
+
+
+def _recompute_s(mode: str, layer_forward_s: np.ndarray, core_s: float) -> np.ndarray:
+    """What recomputation adds to a layer's backward: its forward (full) or its
+    attention core's (selective)."""
+    if mode == "full":
+        return layer_forward_s
+    return np.full_like(layer_forward_s, core_s if mode == "selective" else 0.0)
+
+
+def _recompute_memory(act: np.ndarray, transient: np.ndarray, model: ModelConfig, b: int, s: int, tp: int,
+                      prec: Precision, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, transient) bytes per unit when every layer recomputes in ``mode``,
+    from those without recomputation.
+
+    Full (Korthikanti et al. 2022, section 4: a checkpointed layer stores only
+    its input, sbh x 2 bytes in bf16): a layer keeps its input, and while its
+    backward runs its rebuilt activations exist on top of its working memory
+    (on one H100, LLaMA-3-8B at seq 8192, four layers peaked 3.0 GiB lower,
+    65 instead of 1090 MiB kept per layer, bench_layer). Selective: the
+    attention core's own saved tensors are SDPA's log-sum-exp (4 bytes per
+    head and token); flash-style kernels keep no scores, so the 5as/h x sbh
+    bytes of the paper's unfused attention are not there to drop, and q, k,
+    v and the output stay (the core's input, and the output projection's).
+    """
+    act, transient = act.copy(), transient.copy()
+    layers = slice(1, model.num_layers + 1)
+    if mode == "full":
+        transient[layers] += act[layers]
+        act[layers] = b * s * model.hidden_size * prec.residual_bytes
+    elif mode == "selective":
+        act[layers] -= 4.0 * b * s * model.num_attention_heads / tp
+    return act, transient
 
 
 def _analytic_memory(model: ModelConfig, b: int, s: int, tp: int, prec: Precision,
@@ -384,21 +426,19 @@ def _profile_kinds(model: ModelConfig) -> list[str]:
     return ["embedding"] + ["layer"] * model.num_layers + ["head"]
 
 
-def _measured_times(profile: dict, model: ModelConfig, scale: float, tp: int) -> tuple[np.ndarray, np.ndarray]:
+def _measured_times(units: dict, model: ModelConfig, scale: float, tp: int) -> tuple[np.ndarray, np.ndarray]:
     """A profile's forward and backward times, scaled to the microbatch's tokens
     (exact when the profile used the training microbatch size) and split over TP."""
-    units = profile["units"]
     kinds = _profile_kinds(model)
     fwd = np.array([units[k]["forward_s"] for k in kinds]) * scale / tp
     bwd = np.array([units[k]["backward_s"] for k in kinds]) * scale / tp
     return fwd, bwd
 
 
-def _measured_memory(profile: dict, model: ModelConfig, scale: float, tp_share: np.ndarray,
+def _measured_memory(units: dict, model: ModelConfig, scale: float, tp_share: np.ndarray,
                      analytic_transient: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A profile's kept activation bytes and, where it measured a peak (GPUs),
     the transient bytes above them, at this shape."""
-    units = profile["units"]
     act, transient = [], []
     for u, kind in enumerate(_profile_kinds(model)):
         m = units[kind]

@@ -3,10 +3,17 @@
 The search (:mod:`hetpipe.partitioner.solver`) visits many candidate layouts
 of one cluster; most share per-group unit costs. :class:`CostContext` resolves
 each group's device, precision and profile once, caches the per-unit and
-per-range costs by (group, TP, DP, microbatch size, recomputation), and turns
-a :class:`Candidate` into the matrices the exact split
+per-range costs by (group, TP, DP, microbatch size, recomputation mode), and
+turns a :class:`Candidate` into the matrices the exact split
 (:mod:`hetpipe.partitioner.split`) solves: stage time, gradient-sync time and
 memory for every contiguous unit range, and the time of each boundary message.
+
+Activation recomputation is chosen per stage and unit range, inside those
+matrices: a stage holding units [i, j) runs the cheapest option that fits its
+devices - no recomputation, selective recomputation of every layer, or full
+recomputation of its first N layers with N the fewest that fit (each layer
+recomputed saves the same bytes for the same time, so fewer is cheaper).
+The split search then sees one time and one fits-or-not per range, as before.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.vendor import accelerator_name
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
+from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner import cost
 from hetpipe.partitioner.catalog import DeviceSpec, catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.inputs import TrainShape
@@ -37,7 +45,6 @@ class Candidate:
     tp: tuple[int, ...]
     dp: int
     micro_batch_size: int
-    recompute: bool
     num_microbatches: int
 
     def layout(self) -> list[tuple[int, int]]:
@@ -46,8 +53,7 @@ class Candidate:
 
     def describe(self, names: Sequence[str]) -> str:
         parts = [f"{names[g]}: {self.stages[g]} stage(s) x TP{self.tp[g]}" for g in self.order]
-        return (f"{', '.join(parts)}, DP{self.dp}, microbatch {self.micro_batch_size} x "
-                f"{self.num_microbatches}, recompute {'on' if self.recompute else 'off'}")
+        return f"{', '.join(parts)}, DP{self.dp}, microbatch {self.micro_batch_size} x {self.num_microbatches}"
 
 
 @dataclass
@@ -59,6 +65,38 @@ class _GroupCosts:
     transient: np.ndarray
     sync: np.ndarray
     capacity: float
+
+
+@dataclass
+class _StageChoice:
+    """The option a stage runs for each unit range [i, j), at one in-flight count."""
+    time: np.ndarray
+    # Bytes per device of the chosen option, or of the leanest one where none fits.
+    memory: np.ndarray
+    feasible: np.ndarray
+    # Index into RECOMPUTE_MODES, and the layers the mode covers.
+    mode: np.ndarray
+    layers: np.ndarray
+
+
+@dataclass
+class SplitProblem:
+    """One candidate's split problem: entry [k, i, j] of each (P, U+1, U+1) array
+    is stage k holding units [i, j)."""
+    # Per microbatch: forward + backward (recomputation included) + TP collectives.
+    time: np.ndarray
+    # Per step: DP gradient sync and optimizer step.
+    sync: np.ndarray
+    feasible: np.ndarray
+    # Bytes per device (see _StageChoice.memory) and usable bytes per stage's device.
+    memory: np.ndarray
+    capacity: np.ndarray
+    # One microbatch's message over each boundary.
+    links: list[float]
+    # The recomputation each stage would run: an index into RECOMPUTE_MODES and
+    # the layers (its first ones) it covers.
+    recompute: np.ndarray
+    recompute_layers: np.ndarray
 
 
 class CostContext:
@@ -89,11 +127,27 @@ class CostContext:
             ("direct" if kind == "direct" else "cpu_forwarding")
         t = cluster.transport
         self.tcp_streams = 1 if kind == "gloo" else len(t.addresses) * t.streams_per_address
+        unknown = sorted(set(planner.memory_gib or {}) - set(self.names))
+        if unknown:
+            raise ConfigError(f"planner.memory_gib names {unknown}, not groups of cluster {cluster.name!r} "
+                              f"({', '.join(self.names)})")
+        if train.compile and planner.recompute not in ("auto", "none"):
+            raise ConfigError(f"planner.recompute={planner.recompute} cannot be run with train.compile=true "
+                              "(see partitioner/resolve.py); use planner.recompute=none")
+        # The modes a stage may run; the runtime does not recompute compiled layers.
+        self.recompute_modes: tuple[str, ...] = ("none",) if train.compile else \
+            RECOMPUTE_MODES if planner.recompute == "auto" else (planner.recompute,)
+        # Decoder layers in each unit range [i, j): the units less the embedding and the head.
+        idx = np.arange(self.num_units + 1)
+        self.range_layers = np.clip(idx[None, :] - idx[:, None] - (idx[:, None] == 0)
+                                    - (idx[None, :] == self.num_units), 0, None)
         self._units: dict = {}
         self._groups: dict = {}
+        self._choices: dict = {}
 
     # -- per-group costs --------------------------------------------------------------
-    def unit_costs(self, g: int, tp: int, mbs: int, recompute: bool, alone: bool) -> cost.UnitCosts:
+    def unit_costs(self, g: int, tp: int, mbs: int, recompute: str, alone: bool) -> cost.UnitCosts:
+        """Per-unit costs of group ``g`` with every layer recomputing in ``recompute``."""
         key = (g, tp, mbs, recompute, alone)
         if key not in self._units:
             entry = find_entry(self.profiles, self.device_types[g],
@@ -105,7 +159,7 @@ class CostContext:
                                                self.planner.efficiency, entry, head_shares_embedding=shares)
         return self._units[key]
 
-    def group_costs(self, g: int, tp: int, dp: int, mbs: int, recompute: bool, alone: bool) -> _GroupCosts:
+    def group_costs(self, g: int, tp: int, dp: int, mbs: int, recompute: str, alone: bool) -> _GroupCosts:
         key = (g, tp, dp, mbs, recompute, alone)
         if key in self._groups:
             return self._groups[key]
@@ -119,11 +173,72 @@ class CostContext:
         gbs, lat = self.dp_link(g, tp, dp)
         sync = cost.grad_sync_s(params, dp, gbs, lat, spec, self.planner.distributed_optimizer,
                                 self.precisions[g].grad_bytes)
-        capacity = spec.memory_gib * cost.GIB * self.planner.memory_headroom
+        capacity = self.memory_gib(g) * cost.GIB * self.planner.memory_headroom
         gcosts = _GroupCosts(time, static, _range_sums(uc.activation_bytes),
                              _range_max(uc.transient_bytes), sync, capacity)
         self._groups[key] = gcosts
         return gcosts
+
+    def memory_gib(self, g: int) -> float:
+        """Memory of one device of group ``g``: ``planner.memory_gib``'s, else the catalog's."""
+        return (self.planner.memory_gib or {}).get(self.names[g], self.specs[g].memory_gib)
+
+    def stage_choice(self, g: int, tp: int, dp: int, mbs: int, inflight: int, alone: bool) -> _StageChoice:
+        """For every unit range, the cheapest allowed recomputation that fits a
+        stage of group ``g`` keeping ``inflight`` microbatches (ties: less
+        recomputation)."""
+        key = (g, tp, dp, mbs, inflight, alone)
+        if key in self._choices:
+            return self._choices[key]
+        base = self.group_costs(g, tp, dp, mbs, "none", alone)
+        capacity, layers = base.capacity, self.range_layers
+        # (time, memory, memory at its leanest, mode index, layers covered) per option.
+        options = []
+        for m, mode in enumerate(RECOMPUTE_MODES):
+            if mode not in self.recompute_modes:
+                continue
+            gc = self.group_costs(g, tp, dp, mbs, mode, alone)
+            every = gc.static + inflight * gc.act + gc.transient
+            if mode == "full" and self.planner.recompute == "auto":
+                time, memory, count = self._fewest_full_layers(g, tp, mbs, alone, base, gc, inflight)
+                options.append((time, memory, every, m, count))
+            else:
+                options.append((gc.time, every, every, m, np.zeros_like(layers) if mode == "none" else layers))
+        time = base.time.copy()
+        memory = np.full_like(base.time, INF)
+        leanest = np.full_like(base.time, INF)
+        mode = np.zeros(base.time.shape, int)
+        count = np.zeros(base.time.shape, int)
+        for t, mem, lean, m, n in options:
+            better = (mem <= capacity) & ((t < time) | ~(memory <= capacity))
+            time, memory = np.where(better, t, time), np.where(better, mem, memory)
+            mode, count = np.where(better, m, mode), np.where(better, n, count)
+            leanest = np.minimum(leanest, lean)
+        feasible = memory <= capacity
+        chosen = _StageChoice(time, np.where(feasible, memory, leanest), feasible, mode, count)
+        self._choices[key] = chosen
+        return chosen
+
+    def _fewest_full_layers(self, g: int, tp: int, mbs: int, alone: bool, base: _GroupCosts, full: _GroupCosts,
+                            inflight: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(time, memory, N) of full recomputation of the fewest first N layers
+        of each range that fit (N = all of them where none do)."""
+        u0 = self.unit_costs(g, tp, mbs, "none", alone)
+        uf = self.unit_costs(g, tp, mbs, "full", alone)
+        # All layers are alike: each one recomputed saves and costs the same.
+        saved = inflight * (u0.activation_bytes[1] - uf.activation_bytes[1])
+        extra_s = uf.time_s[1] - u0.time_s[1]
+        # No layer recomputed, but the transient of one that is.
+        unreduced = full.static + inflight * base.act + full.transient
+        layers = self.range_layers
+        with np.errstate(divide="ignore", invalid="ignore"):
+            count = np.clip(np.ceil((unreduced - base.capacity) / saved), 1, layers)
+        count = np.where(np.isfinite(count), count, layers)
+        memory = unreduced - count * saved
+        bump = (memory > base.capacity) & (count < layers)  # rounding in the division
+        count = count + bump
+        memory = unreduced - count * saved
+        return base.time + count * extra_s, memory, count.astype(int)
 
     def dp_link(self, g: int, tp: int, dp: int) -> tuple[float, float]:
         """(GB/s per direction, latency) of the ring a stage's DP all-reduce runs on."""
@@ -138,9 +253,9 @@ class CostContext:
         """One microbatch's message over the boundary between stages a and b (the
         slower of the two directions)."""
         (ga, ja), (gb, _) = a, b
-        mbs, rc = cand.micro_batch_size, cand.recompute
-        ua = self.unit_costs(ga, cand.tp[ga], mbs, rc, False)
-        ub = self.unit_costs(gb, cand.tp[gb], mbs, rc, False)
+        mbs = cand.micro_batch_size
+        ua = self.unit_costs(ga, cand.tp[ga], mbs, "none", False)
+        ub = self.unit_costs(gb, cand.tp[gb], mbs, "none", False)
         na, nb = cand.tp[ga] * cand.dp, cand.tp[gb] * cand.dp
         rpn_a, rpn_b = self.groups[ga].ranks_per_node, self.groups[gb].ranks_per_node
         if ga == gb:
@@ -165,28 +280,28 @@ class CostContext:
                                   min(self.groups[first].ranks_per_node, cand.tp[first] * cand.dp), 1)
 
     # -- one candidate -------------------------------------------------------------------
-    def problem(self, cand: Candidate) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                 list[float]]:
-        """A candidate's split problem: (P, U+1, U+1) arrays of stage time, sync time,
-        fits-in-memory and memory bytes; usable bytes per stage; boundary times."""
+    def problem(self, cand: Candidate) -> SplitProblem:
+        """A candidate's split problem (see :class:`SplitProblem`)."""
         layout = cand.layout()
         P = len(layout)
         alone = P == 1
-        per_stage = [self.group_costs(g, cand.tp[g], cand.dp, cand.micro_batch_size, cand.recompute, alone)
-                     for g, _ in layout]
-        inflight = np.minimum(P - np.arange(P), cand.num_microbatches).astype(float)
-        time = np.stack([c.time for c in per_stage])
-        sync = np.stack([c.sync for c in per_stage])
-        memory = np.stack([c.static + n * c.act + c.transient for c, n in zip(per_stage, inflight)])
-        capacity = np.array([c.capacity for c in per_stage])
-        feasible = memory <= capacity[:, None, None]
+        mbs = cand.micro_batch_size
+        inflight = np.minimum(P - np.arange(P), cand.num_microbatches)
+        base = [self.group_costs(g, cand.tp[g], cand.dp, mbs, "none", alone) for g, _ in layout]
+        choices = [self.stage_choice(g, cand.tp[g], cand.dp, mbs, int(n), alone)
+                   for (g, _), n in zip(layout, inflight)]
+        sync = np.stack([c.sync for c in base])
         tied = self.tied_sync_s(cand)
         if tied:
-            sync = sync.copy()
             sync[0, 0, :] += tied
             sync[-1, :, -1] += tied
         links = [self.link_s(cand, layout[k], layout[k + 1]) for k in range(P - 1)]
-        return time, sync, feasible, memory, capacity, links
+        return SplitProblem(time=np.stack([c.time for c in choices]), sync=sync,
+                            feasible=np.stack([c.feasible for c in choices]),
+                            memory=np.stack([c.memory for c in choices]),
+                            capacity=np.array([c.capacity for c in base]), links=links,
+                            recompute=np.stack([c.mode for c in choices]),
+                            recompute_layers=np.stack([c.layers for c in choices]))
 
 
 def _range_sums(x: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ caller without them (a benchmark, a test) can pass any object with these fields.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+from typing import Any, List, Optional, Protocol
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.models.model_config import ModelConfig
@@ -27,6 +27,10 @@ class TrainShape(Protocol):
     precision: str
     fuse_elementwise: Optional[bool]
     compile: bool
+    # Activation recomputation of a plan built from ``partition``: a mode or
+    # one per stage, and the layers it covers (hetpipe.models.recompute).
+    recompute: Any
+    recompute_num_layers: Any
 
 
 class PartitionRequest(Protocol):

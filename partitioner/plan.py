@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import yaml
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.schedules import SCHEDULES
 
 
@@ -29,6 +30,11 @@ class StagePlan:
     layers: int
     tp: int = 1
     dp: int = 1
+    # Activation recomputation of the stage's decoder layers: none, selective
+    # or full (hetpipe.models.recompute), for its first recompute_num_layers
+    # layers (None: all of them).
+    recompute: str = "none"
+    recompute_num_layers: Optional[int] = None
 
 
 @dataclass
@@ -36,7 +42,6 @@ class Plan:
     stages: List[StagePlan]
     schedule: str = "1f1b"
     num_chunks: int = 1
-    recompute: bool = False
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -48,6 +53,12 @@ class Plan:
             raise ConfigError("num_chunks > 1 needs schedule=interleaved_1f1b")
         if any(s.layers < 0 for s in self.stages):
             raise ConfigError(f"plan has a negative layer count: {[s.layers for s in self.stages]}")
+        for v, s in enumerate(self.stages):
+            if s.recompute not in RECOMPUTE_MODES:
+                raise ConfigError(f"plan stage {v}: recompute {s.recompute!r} is not one of "
+                                  f"{', '.join(RECOMPUTE_MODES)}")
+            if s.recompute_num_layers is not None and s.recompute_num_layers < 0:
+                raise ConfigError(f"plan stage {v}: recompute_num_layers={s.recompute_num_layers} is negative")
 
     @property
     def pipeline_size(self) -> int:
@@ -84,6 +95,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
+        # Plans written before recomputation was per stage say `recompute:
+        # false` for the whole plan (true was never runnable).
+        if data.get("recompute") is False:
+            data = {k: v for k, v in data.items() if k != "recompute"}
         try:
             stages = [StagePlan(**s) for s in data["stages"]]
             return cls(stages=stages, **{k: v for k, v in data.items() if k != "stages"})

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner.cost import NetworkConfig
 
 TRANSPORT_MODELS = ("auto", "direct", "cpu_forwarding")
+PLANNER_RECOMPUTE = ("auto",) + RECOMPUTE_MODES
 
 
 @dataclass
@@ -29,8 +31,12 @@ class PlannerConfig:
     memory_headroom: float = 0.9
     # Shard Adam's state over DP (Megatron's --use-distributed-optimizer).
     distributed_optimizer: bool = False
-    # Full activation recomputation: None lets the solver choose.
-    recompute: Optional[bool] = None
+    # Activation recomputation (hetpipe.models.recompute). auto: each stage
+    # gets the cheapest that fits its devices' memory of none, selective, and
+    # full recomputation of its first N layers (N as small as fits); none,
+    # selective or full (every layer): that mode on every stage. Off
+    # (none) under train.compile, which the runtime does not recompute with.
+    recompute: str = "auto"
     # Fix the TP degree of every group; None searches the divisors of the head
     # counts that fit in a node.
     tp: Optional[int] = None
@@ -50,6 +56,11 @@ class PlannerConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     # Catalog overrides and extra devices: {H200: {efficiency: 0.6}, NEW: {...}}.
     catalog: Dict[str, Any] = field(default_factory=dict)
+    # Device memory (GiB) of a group, by group name, in place of its catalog
+    # entry's: for groups of one device type that differ in memory (an
+    # A100-40GB node beside A100-80GB ones), or CPU ranks standing in for a
+    # small GPU in an emulated cluster ({amd: 0.02}).
+    memory_gib: Dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.memory_headroom <= 1:
@@ -58,6 +69,11 @@ class PlannerConfig:
             raise ConfigError(f"planner.efficiency={self.efficiency} must be in (0, 1]")
         if self.transport not in TRANSPORT_MODELS:
             raise ConfigError(f"planner.transport={self.transport!r} is not one of {TRANSPORT_MODELS}")
+        if self.recompute not in PLANNER_RECOMPUTE:
+            raise ConfigError(f"planner.recompute={self.recompute!r} is not one of {', '.join(PLANNER_RECOMPUTE)}")
+        for group, gib in (self.memory_gib or {}).items():
+            if not gib > 0:
+                raise ConfigError(f"planner.memory_gib.{group}={gib} must be a positive number of GiB")
         for name in ("tp", "dp"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -9,23 +9,29 @@ warm-up), the bytes autograd keeps between forward and backward (counted
 through saved-tensor hooks, so it works on CPUs too) and, on GPUs, the peak
 memory above the memory held before the forward (weights and gradient
 buffers). The JSON file is keyed by device type, so one file can
-collect a profile per node type (run the command once on each):
+collect a profile per node type (run the command once on each). The layer
+is measured once more per activation-recomputation mode (``recompute``: the
+same four figures with the layer recomputing selectively or fully):
 
     {"format": "hetpipe-profile/1",
      "devices": {"H200": [{"shape": {...}, "micro_batch_size": 1, "units": {
          "embedding": {"forward_s": ..., "backward_s": ..., "activation_bytes": ...,
-                       "peak_bytes": ...}, "layer": {...}, "head": {...}}}]}}
+                       "peak_bytes": ...}, "layer": {...}, "head": {...}},
+         "recompute": {"selective": {...}, "full": {...}}}]}}
 
 The planner uses an entry whose ``shape`` (model dimensions, sequence length,
 precision) matches the plan's; times and bytes scale with the microbatch size.
+Entries without ``recompute`` (profiles made before it was measured) get the
+recomputation modes' differences from the analytic model.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -34,6 +40,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models.layers import fuse_elementwise as fuse_module, fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
+from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
 from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, compute_context, resolve_precision
 
 PROFILE_FORMAT = "hetpipe-profile/1"
@@ -68,6 +75,10 @@ def load_profile(path: str | Path) -> dict[str, list[dict]]:
             if missing or "shape" not in entry or "micro_batch_size" not in entry:
                 raise ConfigError(f"profile file {p}: an entry for {device} lacks "
                                   f"{missing or ['shape/micro_batch_size']}")
+            unknown = sorted(set(entry.get("recompute", {})) - set(RECOMPUTE_MODES[1:]))
+            if unknown:
+                raise ConfigError(f"profile file {p}: an entry for {device} has recompute modes {unknown}; "
+                                  f"known: {', '.join(RECOMPUTE_MODES[1:])}")
     return devices
 
 
@@ -100,8 +111,9 @@ def save_entry(path: str | Path, device_type: str, entry: dict) -> None:
 def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, precision: str = "auto",
                   repeats: int = 5, warmup: int = 2, seed: int = 1234,
                   fuse_elementwise: Optional[bool] = None) -> tuple[str, dict]:
-    """Profile embedding, one decoder layer and the head on the local device,
-    with the trainer's precision and elementwise fusion (``train.fuse_elementwise``).
+    """Profile embedding, one decoder layer (once per recomputation mode) and
+    the head on the local device, with the trainer's precision and elementwise
+    fusion (``train.fuse_elementwise``).
 
     Returns (device name as the runtime reports it, profile entry).
     """
@@ -123,32 +135,62 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
     def hidden() -> torch.Tensor:
         return torch.randn(b, s, h, generator=gen).to(device, activation_dtype(mode)).requires_grad_(True)
 
+    # (unit kind, recomputation of its layers): the layer once per mode.
     cases = {
-        "embedding": ((0, 1), lambda: (tokens(),)),
-        "layer": ((1, 2), lambda: (hidden(),)),
-        "head": ((L + 1, L + 2), lambda: (hidden(), tokens())),
+        ("embedding", "none"): ((0, 1), lambda: (tokens(),)),
+        **{("layer", rc): ((1, 2), lambda: (hidden(),)) for rc in RECOMPUTE_MODES},
+        ("head", "none"): ((L + 1, L + 2), lambda: (hidden(), tokens())),
     }
-    units = {}
-    for kind, (span, make_inputs) in cases.items():
+    units, recompute = {}, {}
+    for (kind, rc), (span, make_inputs) in cases.items():
         module = build_model(model, seed=seed, units=span, device=device)
         if mode == "bf16-pure":
             cast_parameters([module], torch.bfloat16)
         if fused:
             fuse_module(module)
-        units[kind] = _measure(module, make_inputs, device, mode, repeats, warmup)
+        set_recompute(module, rc)
+        measured = _measure(module, make_inputs, device, mode, repeats, warmup)
+        if rc == "none":
+            units[kind] = measured
+        else:
+            recompute[rc] = measured
         del module
     entry = {"shape": profile_shape(model, seq_length, mode, fused),
              "micro_batch_size": micro_batch_size, "device_name": accelerator_name(),
-             "torch": torch.__version__, "repeats": repeats, "units": units}
+             "torch": torch.__version__, "repeats": repeats, "units": units, "recompute": recompute}
     return accelerator_name(), entry
+
+
+def weight_storages(module: torch.nn.Module, weights: Optional[Bf16Weights] = None) -> set[int]:
+    """The storages of ``module``'s parameters and of their bf16 working copies."""
+    storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    if weights is not None:  # the working copies are weights too, not activations
+        storages |= {w.untyped_storage().data_ptr() for w in weights.copies()}
+    return storages
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(weights: set[int]) -> Iterator[dict[int, int]]:
+    """Bytes autograd keeps for the backward from the block, by storage: each
+    storage once, the ``weights`` storages not at all (autocast's bf16 copies
+    of weights are counted: they live until the backward). Tensors saved
+    inside a checkpointed region are not seen; the region's inputs are."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
 
 
 def _measure(module, make_inputs, device, mode: str, repeats: int, warmup: int) -> dict:
     cuda = device.type == "cuda"
     weights = Bf16Weights([module], fuse_linear_grads=True) if mode == "bf16" else None
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    if weights is not None:  # the working copies are weights too, not activations
-        params |= {w.untyped_storage().data_ptr() for w in weights.copies()}
+    params = weight_storages(module, weights)
 
     def sync() -> None:
         if cuda:
@@ -157,23 +199,12 @@ def _measure(module, make_inputs, device, mode: str, repeats: int, warmup: int) 
     forward, backward, kept, peaks = [], [], 0, []
     for step in range(warmup + repeats):
         inputs = make_inputs()
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            # Count each storage once; parameters are not activations (autocast's
-            # bf16 copies of them are: they live until the backward).
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         sync()
         start = time.perf_counter()
-        with compute_context(mode, device.type, weights, 0), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with compute_context(mode, device.type, weights, 0), saved_tensor_bytes(params) as saved:
             out = module(*inputs)
         sync()
         middle = time.perf_counter()

@@ -9,11 +9,12 @@ runs, with the predictions in its notes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.model_config import ModelConfig
+from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner import cost
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan import Plan, StagePlan
@@ -30,6 +31,10 @@ class StageReport:
     dp: int
     layers: int
     units: tuple[int, int]
+    # Activation recomputation: none, selective or full, of the first
+    # recompute_num_layers layers (None: all of them).
+    recompute: str
+    recompute_num_layers: Optional[int]
     # Per step: forward + backward (and recomputation) of all microbatches.
     compute_s: float
     # Per step, not overlapped with compute: TP collectives and the DP gradient sync + optimizer step.
@@ -86,32 +91,46 @@ class Solution:
                                   "order; ranks keep the cluster's numbering")
         if self.idle_ranks:
             notes["idle_ranks"] = list(self.idle_ranks)
-        plan = Plan(stages=[StagePlan(group=s.group, ranks=list(s.ranks), layers=s.layers, tp=s.tp, dp=s.dp)
+        plan = Plan(stages=[StagePlan(group=s.group, ranks=list(s.ranks), layers=s.layers, tp=s.tp, dp=s.dp,
+                                      recompute=s.recompute, recompute_num_layers=s.recompute_num_layers)
                             for s in self.stages],
-                    schedule="1f1b", num_chunks=1, recompute=cand.recompute, notes=notes)
+                    schedule="1f1b", num_chunks=1, notes=notes)
         plan.check_model(self.model.num_layers)
         return plan
 
 
 def build_solution(ctx: CostContext, cand: Candidate, split: Split) -> Solution:
     """The chosen plan, stage by stage, with its predicted time and memory."""
-    _, sync, _, memory, capacity, links = ctx.problem(cand)
+    prob = ctx.problem(cand)
+    sync, memory, capacity, links = prob.sync, prob.memory, prob.capacity, prob.links
     layout = cand.layout()
     P, M, T = len(layout), cand.num_microbatches, split.step_s
     alone = P == 1
     stages, used = [], set()
     for k, (g, j) in enumerate(layout):
         i, jj = split.bounds[k], split.bounds[k + 1]
-        uc = ctx.unit_costs(g, cand.tp[g], cand.micro_batch_size, cand.recompute, alone)
+        layers = (jj - i) - (i == 0) - (jj == ctx.num_units)
+        mode = RECOMPUTE_MODES[prob.recompute[k, i, jj]] if layers else "none"
+        covered = int(prob.recompute_layers[k, i, jj])
+        # The stage's first `covered` layers run in `mode`, the rest and the other units without.
+        uc = ctx.unit_costs(g, cand.tp[g], cand.micro_batch_size, "none", alone)
+        rc = ctx.unit_costs(g, cand.tp[g], cand.micro_batch_size, mode, alone)
+        first = i + (i == 0)
+        busy = uc.forward_s + uc.backward_s
+        busy[first:first + covered] = (rc.forward_s + rc.backward_s)[first:first + covered]
+        tp_comm = uc.tp_comm_s.copy()
+        tp_comm[first:first + covered] = rc.tp_comm_s[first:first + covered]
         n = cand.tp[g] * cand.dp
         ranks = [ctx.starts[g] + j * n + r for r in range(n)]
         used.update(ranks)
-        compute = M * float((uc.forward_s[i:jj] + uc.backward_s[i:jj]).sum())
-        comm = M * float(uc.tp_comm_s[i:jj].sum()) + float(sync[k, i, jj])
+        compute = M * float(busy[i:jj].sum())
+        comm = M * float(tp_comm[i:jj].sum()) + float(sync[k, i, jj])
         boundary = (links[k - 1] if k > 0 else 0.0) + (links[k] if k < P - 1 else 0.0)
         stages.append(StageReport(
             index=k, group=ctx.names[g], device_type=ctx.specs[g].name, ranks=ranks, tp=cand.tp[g], dp=cand.dp,
-            layers=(jj - i) - (i == 0) - (jj == ctx.num_units), units=(i, jj), compute_s=compute, comm_s=comm,
+            layers=layers, units=(i, jj), recompute=mode if covered else "none",
+            recompute_num_layers=covered if mode != "none" and covered < layers else None,
+            compute_s=compute, comm_s=comm,
             p2p_s=2 * M * boundary, bubble_s=max(0.0, T - compute - comm),
             memory_gib=float(memory[k, i, jj]) / cost.GIB, usable_gib=float(capacity[k]) / cost.GIB,
             tflops_per_gpu=M * float(uc.flops[i:jj].sum()) / T / 1e12))

@@ -5,12 +5,12 @@ overrides (:func:`build_plan`), the cost-model planner (``plan=auto``) or a
 plan.yaml (``plan=PATH``) - and whichever it is, :func:`check_runnable` then
 refuses what this release cannot run. :func:`resolve_plan` is the entry
 point ``pretrain`` calls once, before any process starts; the ranks then
-receive the resolved plan as data.
+receive the resolved plan as data, activation recomputation per stage included.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
@@ -66,15 +66,41 @@ def build_plan(partition: PartitionRequest, cluster: ClusterConfig, model: Model
     return plan
 
 
+def with_recompute(plan: Plan, recompute: Any, num_layers: Any) -> Plan:
+    """``plan`` with ``train.recompute`` and ``train.recompute_num_layers`` set
+    on its stages: one value for every stage, or a list with one per (virtual)
+    stage in pipeline order; None: no recomputation, all layers."""
+    modes = _per_stage(recompute, "none", "train.recompute", plan)
+    counts = _per_stage(num_layers, None, "train.recompute_num_layers", plan)
+    stages = [dataclasses.replace(s, recompute=m, recompute_num_layers=n)
+              for s, m, n in zip(plan.stages, modes, counts)]
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _per_stage(value: Any, default: Any, name: str, plan: Plan) -> list:
+    if value is None:
+        return [default] * len(plan.stages)
+    if not isinstance(value, (list, tuple)):
+        return [value] * len(plan.stages)
+    if len(value) != len(plan.stages):
+        raise ConfigError(f"{name}={list(value)} has {len(value)} entries but the plan has {len(plan.stages)} "
+                          f"(virtual) stages (layers {[s.layers for s in plan.stages]})")
+    return list(value)
+
+
 def resolve_plan(cfg: PlanRequest) -> Plan:
     """The plan a pretrain config asks for: ``plan=auto`` (the cost-model
-    planner, restricted to what this release runs: no recompute), ``plan=PATH``
-    (a plan.yaml), or the explicit ``partition`` settings."""
+    planner, recomputation chosen per stage), ``plan=PATH`` (a plan.yaml), or
+    the explicit ``partition`` settings with ``train.recompute``."""
+    t = cfg.train
     if cfg.plan is None:
-        plan = build_plan(cfg.partition, cfg.cluster, cfg.model)
+        plan = with_recompute(build_plan(cfg.partition, cfg.cluster, cfg.model), t.recompute,
+                              t.recompute_num_layers)
+    elif t.recompute is not None or t.recompute_num_layers is not None:
+        raise ConfigError(f"plan={cfg.plan} brings its own recomputation per stage; leave train.recompute and "
+                          "train.recompute_num_layers null (planner.recompute constrains the planner's choice)")
     elif cfg.plan == "auto":
-        planner = dataclasses.replace(cfg.planner, recompute=bool(cfg.planner.recompute))
-        plan = plan_for(cfg.model, cfg.cluster, cfg.train, planner)
+        plan = plan_for(cfg.model, cfg.cluster, cfg.train, cfg.planner)
     else:
         plan = Plan.load(cfg.plan)
     plan.check_model(cfg.model.num_layers)
@@ -128,8 +154,13 @@ def check_runnable(plan: Plan, cluster: ClusterConfig, train: TrainShape,
             raise ConfigError(f"model {model.name!r} ties its embedding and output weights, so the first and "
                               f"last stage need the same TP degree (got TP{plan.stages[0].tp} and "
                               f"TP{plan.stages[-1].tp})")
-    if plan.recompute:
-        raise ConfigError("the plan turns on activation recomputation, which this release does not run yet")
+    recomputing = [v for v, s in enumerate(plan.stages)
+                   if s.recompute != "none" and s.layers and s.recompute_num_layers != 0]
+    if recomputing and train.compile:
+        # Full recomputation reinstalls the forward's bf16 weights for the
+        # rerun through checkpoint's context_fn, which torch.compile refuses.
+        raise ConfigError(f"plan stage(s) {recomputing} recompute activations, which this release does not run "
+                          "with train.compile=true (whole compiled layers); set train.compile=false or recompute none")
     mbs = plan.notes.get("micro_batch_size") if plan.notes else None
     if mbs is not None and mbs != train.micro_batch_size:
         raise ConfigError(f"the plan was made for micro_batch_size={mbs} but train.micro_batch_size="

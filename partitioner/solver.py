@@ -3,12 +3,14 @@
 For a cluster of vendor groups the solver chooses the order of the groups
 along the pipeline, the number of pipeline stages each group hosts, TP per
 group (within a node, dividing the heads), one DP degree for all stages
-(Megatron's constraint), the microbatch size (hence the microbatch count) and
-full recomputation on or off - and, for each such *candidate*, the contiguous
-split of the model units (embedding and head included) over the stages, which
+(Megatron's constraint) and the microbatch size (hence the microbatch count)
+- and, for each such *candidate*, the contiguous split of the model units
+(embedding and head included) over the stages, which
 :mod:`hetpipe.partitioner.split` solves exactly for the predicted 1F1B step
-time. Candidates are visited best-first by a lower bound (perfect balance at
-the candidate's aggregate speed) and the search stops when the bound passes
+time, each stage running the cheapest activation recomputation that fits its
+devices (:mod:`hetpipe.partitioner.cost_context`). Candidates are visited
+best-first by a lower bound (perfect balance at the candidate's aggregate
+speed, without recomputation) and the search stops when the bound passes
 the best plan found, which is what keeps 1024 GPUs under a few seconds.
 :mod:`hetpipe.partitioner.cost_context` prices each candidate and
 :mod:`hetpipe.partitioner.report` describes the winner.
@@ -39,7 +41,7 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
 
     ``layers`` fixes the decoder layers per stage (e.g. ``[15, 17]``): the
     solver then only chooses the rest (groups' order and stages, TP, DP,
-    microbatches, recompute) and predicts that split. Raises
+    microbatches, recomputation per stage) and predicts that split. Raises
     :class:`ConfigError` for impossible input, naming what does not fit.
     """
     planner = planner or PlannerConfig()
@@ -58,12 +60,12 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             break
         bi = int(np.searchsorted(starts, pos, side="right")) - 1
         cand = blocks[bi].candidate(int(pos - starts[bi]))
-        time, sync, feasible, _, _, links = ctx.problem(cand)
+        prob = ctx.problem(cand)
         solved += 1
         if fixed is None:
-            split = best_split(time, sync, feasible, cand.num_microbatches, links)
+            split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links)
         else:
-            split = evaluate_split(time, sync, feasible, cand.num_microbatches, links, fixed)
+            split = evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed)
         if split is not None and (best is None or split.step_s < best[1].step_s):
             best = (cand, split)
     if best is None:
@@ -86,14 +88,13 @@ class _Block:
     tp: tuple[int, ...]
     dp: int
     micro_batch_size: int
-    recompute: bool
     num_microbatches: int
     stages: np.ndarray  # (n, G)
     lower_bounds: np.ndarray  # (n,)
 
     def candidate(self, row: int) -> Candidate:
         return Candidate(self.order, tuple(int(s) for s in self.stages[row]), self.tp, self.dp,
-                         self.micro_batch_size, self.recompute, self.num_microbatches)
+                         self.micro_batch_size, self.num_microbatches)
 
 
 def _enumerate(ctx: CostContext, num_stages: Optional[int]) -> list[_Block]:
@@ -107,7 +108,9 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int]) -> list[_Block]:
         if mbs < 1 or train.global_batch_size % mbs:
             raise ConfigError(f"microbatch size {mbs} does not divide train.global_batch_size="
                               f"{train.global_batch_size}")
-    recomputes = [planner.recompute] if planner.recompute is not None else [False, True]
+    # Recomputation only adds time, so the bound takes a stage's units at their
+    # cheapest: without it, unless one mode is imposed on every stage.
+    bound_mode = ctx.recompute_modes[0] if len(ctx.recompute_modes) == 1 else "none"
     orders = _orders(ctx)
     fixed_stages = _fixed_stages(ctx, num_stages)
     max_stages = U - (G - 1)  # every group holds a stage, every stage a unit
@@ -135,15 +138,14 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int]) -> list[_Block]:
                     grid = grid[(total <= U) if num_stages is None else (total == num_stages)]
                 if not len(grid):
                     continue
-                for rc in recomputes:
-                    unit_times = [ctx.unit_costs(g, tps[g], mbs, rc, False).time_s for g in range(G)]
-                    stage_lb, sum_lb = _balance_bounds(unit_times, grid)
-                    for order in orders:
-                        probe = Candidate(order, tuple(int(s) for s in grid[0]), tps, dp, mbs, rc, M)
-                        cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
-                        c_max, c_sum = max(cross, default=0.0), 2 * sum(cross)
-                        lb = (M - 1) * np.maximum(stage_lb, c_max) + sum_lb + c_sum
-                        blocks.append(_Block(order, tps, dp, mbs, rc, M, grid, lb))
+                unit_times = [ctx.unit_costs(g, tps[g], mbs, bound_mode, False).time_s for g in range(G)]
+                stage_lb, sum_lb = _balance_bounds(unit_times, grid)
+                for order in orders:
+                    probe = Candidate(order, tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
+                    cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
+                    c_max, c_sum = max(cross, default=0.0), 2 * sum(cross)
+                    lb = (M - 1) * np.maximum(stage_lb, c_max) + sum_lb + c_sum
+                    blocks.append(_Block(order, tps, dp, mbs, M, grid, lb))
     if not blocks:
         raise ConfigError(_no_layout_message(ctx, num_stages, fixed_stages))
     return blocks
@@ -254,19 +256,18 @@ def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[i
                   limit: int = 5000) -> ConfigError:
     """Why nothing fits: the least memory-hungry plan tried, its fullest device, and by how much.
 
-    Tries the candidates that need the least memory - recomputation if it is
-    allowed, the smallest microbatch - with the most devices first, up to
-    ``limit`` of them (an error path need not be exhaustive to be useful).
+    Tries the candidates that need the least memory - the smallest microbatch,
+    each stage at its leanest recomputation - with the most devices first, up
+    to ``limit`` of them (an error path need not be exhaustive to be useful).
     """
     least_mbs = min(b.micro_batch_size for b in blocks)
-    most_rc = max(b.recompute for b in blocks)
-    lean = [(b, r) for b in blocks if b.micro_batch_size == least_mbs and b.recompute == most_rc
-            for r in range(len(b.stages))]
+    lean = [(b, r) for b in blocks if b.micro_batch_size == least_mbs for r in range(len(b.stages))]
     lean.sort(key=lambda br: -sum(int(s) * t for s, t in zip(br[0].stages[br[1]], br[0].tp)) * br[0].dp)
     best = None
     for block, r in lean[:limit]:
         cand = block.candidate(r)
-        _, _, _, memory, capacity, _ = ctx.problem(cand)
+        prob = ctx.problem(cand)
+        memory, capacity = prob.memory, prob.capacity
         ratio = memory / capacity[:, None, None]
         N = ratio.shape[1]
         ratio = np.where(np.triu(np.ones((N, N), dtype=bool), 1), ratio, INF)
@@ -289,11 +290,13 @@ def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[i
     hints = []
     if not ctx.planner.distributed_optimizer and max(b.dp for b in blocks) > 1:
         hints.append("planner.distributed_optimizer=true shards Adam's state over DP")
-    if ctx.planner.recompute is False:
-        hints.append("planner.recompute=null lets the solver recompute activations")
+    if "full" not in ctx.recompute_modes and not ctx.train.compile:
+        hints.append("planner.recompute=auto lets the solver recompute activations")
+    leanest = ctx.recompute_modes[-1]  # in RECOMPUTE_MODES' order: the one keeping least
     return ConfigError(
         f"{ctx.model.name} does not fit on cluster {ctx.cluster.name!r} under {which}: even the least "
-        f"memory-hungry plan ({cand.describe(ctx.names)}) needs {need:.1f} GiB on each {spec.name} of group "
+        f"memory-hungry plan ({cand.describe(ctx.names)}, recompute {leanest}) needs {need:.1f} GiB on each "
+        f"{spec.name} of group "
         f"{ctx.names[g]!r} (stage {k}: {layers} layers{extras}), but the {spec.name} has {usable:.1f} GiB usable "
-        f"({spec.memory_gib:g} GiB x memory_headroom {ctx.planner.memory_headroom:g}): short by "
+        f"({ctx.memory_gib(g):g} GiB x memory_headroom {ctx.planner.memory_headroom:g}): short by "
         f"{need - usable:.1f} GiB" + (f" ({'; '.join(hints)})" if hints else ""))

@@ -8,6 +8,8 @@ throughput is bytes moved over that time. Transports measured:
 * ``tcp`` with one connection and with ``len(--addresses) * --streams``
   striped connections (give one local address per NIC to see multi-NIC gains);
 * ``gloo``, the header-checked reference channel;
+* with ``--message-mac``: ``tcp+mac``, both tcp runs again with the per-frame
+  MAC on (``cluster.transport.message_mac``), to price integrity;
 * with ``--device cuda`` and two visible GPUs: ``nccl-p2p`` (torch P2P on an
   NCCL group, what a same-vendor boundary uses) and ``peer-copy`` (one
   process copying GPU 0 -> GPU 1, the device-direct ceiling).
@@ -16,7 +18,18 @@ With ``--device cuda`` the tcp and gloo numbers include the device <-> host
 staging. Runtime is bounded: each measurement moves a fixed byte budget
 (fewer with ``--quick``) and the whole run stops at ``--time-limit``.
 
+Across two hosts (or two emulated nodes, scripts/emulated_nodes.py), run one
+process per host with ``--rank 0`` / ``--rank 1`` and ``--store`` naming rank
+0's host: rank 0 hosts the store there and prints the table. Each host
+resolves ``--interfaces`` or ``--subnets`` to its own NICs, as
+``cluster.transport`` does, and the two tcp rows are then one NIC against all
+of them, every message striped over the NICs:
+
+    python scripts/bench_channel.py --rank 0 --store 10.201.0.1:29500 --subnets 10.201.0.0/24,10.202.0.0/24 \
+        --streams 1 --sizes 1MiB --budget-mib 8     # and --rank 1 on the other host
+
     python scripts/bench_channel.py --quick --device cpu
+    python scripts/bench_channel.py --transports tcp --message-mac --sizes 1MiB,16MiB,64MiB
     python scripts/bench_channel.py --device cuda --addresses 10.0.0.1,10.0.1.1 --streams 2
 """
 from __future__ import annotations
@@ -24,8 +37,10 @@ from __future__ import annotations
 import argparse
 import collections
 import multiprocessing
+import os
 import queue
 import secrets
+import signal
 import sys
 import time
 import traceback
@@ -51,10 +66,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated local addresses, one per NIC, for the striped tcp run")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds before the run is abandoned (default 60 quick, 600 full)")
+    parser.add_argument("--message-mac", action="store_true",
+                        help="also run tcp with the per-frame MAC on (rows tcp+mac)")
+    parser.add_argument("--transports", default=None,
+                        help="comma-separated subset of tcp,tcp+mac,direct,gloo,nccl-p2p,peer-copy (default: all)")
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated message sizes such as 1MiB,16MiB,64MiB (default: the built-in list)")
+    parser.add_argument("--budget-mib", type=int, default=None,
+                        help="bytes each measurement moves, in MiB (default 32 quick, 1024 full)")
+    parser.add_argument("--rank", type=int, choices=(0, 1), default=None,
+                        help="two hosts: this host's rank (run the other with the other rank); tcp only")
+    parser.add_argument("--store", default=None, help="two hosts: HOST:PORT of rank 0's store")
+    nics = parser.add_mutually_exclusive_group()
+    nics.add_argument("--interfaces", default=None, help="two hosts: NICs by name, e.g. eth1,eth2")
+    nics.add_argument("--subnets", default=None, help="two hosts: NICs by network, e.g. 10.201.0.0/24,10.202.0.0/24")
     args = parser.parse_args(argv)
     args.addresses = [a.strip() for a in args.addresses.split(",") if a.strip()]
+    args.transports = None if args.transports is None else {t.strip() for t in args.transports.split(",")}
+    if args.sizes is not None:
+        units = {"KiB": KIB, "MiB": MIB}
+        try:
+            args.sizes = [int(size[:-3]) * units[size[-3:]] for size in args.sizes.split(",")]
+        except (KeyError, ValueError):
+            parser.error(f"--sizes {args.sizes!r}: give sizes such as 64KiB,1MiB,16MiB")
     if args.time_limit is None:
         args.time_limit = 60.0 if args.quick else 600.0
+    if (args.rank is None) != (args.store is None) or (args.rank is None and (args.interfaces or args.subnets)):
+        parser.error("--rank and --store go together, and --interfaces/--subnets need them")
     return args
 
 
@@ -126,7 +164,7 @@ def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, floa
     from hetpipe.comm.p2p import TorchP2PChannel
     from hetpipe.comm.tcp import TcpChannel
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(opts["store_host"], port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     if opts["device"] == "cuda":
@@ -137,13 +175,17 @@ def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, floa
     names = {0: "bench rank 0 (sender)", 1: "bench rank 1 (receiver)"}
     addresses, streams = opts["addresses"], opts["streams"]
 
-    def tcp(addrs: list[str], per_address: int):
-        prefix = f"tcp-{len(addrs)}x{per_address}"
+    def tcp(addrs: list[str], per_address: int, mac: bool = False):
+        prefix = f"tcp-{len(addrs)}x{per_address}{'-mac' if mac else ''}"
         return lambda: TcpChannel(rank, [1 - rank], names, dist.PrefixStore(prefix, store), opts["token"],
-                                  addresses=addrs, streams_per_address=per_address, deadline=120.0, device=device)
+                                  addresses=addrs, streams_per_address=per_address, deadline=120.0, device=device,
+                                  message_mac=mac)
 
     transports = [("tcp", 1, tcp(addresses[:1], 1)),
                   ("tcp", len(addresses) * streams, tcp(addresses, streams)),
+                  *([("tcp+mac", 1, tcp(addresses[:1], 1, mac=True)),
+                     ("tcp+mac", len(addresses) * streams, tcp(addresses, streams, mac=True))]
+                    if opts["message_mac"] else []),
                   ("direct", 1, lambda: DirectChannel(rank, [1 - rank], names, dist.PrefixStore("direct", store),
                                                       opts["token"], deadline=120.0, device=device,
                                                       address=addresses[0])),
@@ -153,6 +195,8 @@ def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, floa
         nccl = dist.new_group([0, 1], backend="nccl")
         transports.append(("nccl-p2p", 1, lambda: TorchP2PChannel(rank, [1 - rank], names,
                                                                   {(0, 1): nccl, (1, 0): nccl}, deadline=120.0)))
+    if opts["transports"] is not None:
+        transports = [t for t in transports if t[0] in opts["transports"]]
     rows = []
     for transport, nstreams, make in transports:
         channel = make()
@@ -166,7 +210,7 @@ def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, floa
         finally:
             channel.close()
         dist.barrier()
-    if two_gpus and rank == 0:
+    if two_gpus and rank == 0 and (opts["transports"] is None or "peer-copy" in opts["transports"]):
         for nbytes in opts["sizes"]:
             rows.append(("peer-copy", 1, nbytes, peer_copy(nbytes, opts["budget"])))
     dist.barrier()
@@ -180,8 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_channel: error: --device cuda but no GPU is visible", file=sys.stderr)
         return 2
     opts = {"device": args.device, "addresses": args.addresses, "streams": args.streams,
-            "sizes": QUICK_SIZES if args.quick else FULL_SIZES,
-            "budget": 32 * MIB if args.quick else 1024 * MIB, "token": secrets.token_hex(16)}
+            "sizes": args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES),
+            "message_mac": args.message_mac, "transports": args.transports, "store_host": "127.0.0.1",
+            "budget": (args.budget_mib or (32 if args.quick else 1024)) * MIB, "token": secrets.token_hex(16)}
+    if args.rank is not None:
+        return two_hosts(args, opts)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -209,11 +256,59 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_channel: error: {failure}", file=sys.stderr)
         return 1
     where = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(0)
-    print(f"channel bandwidth, 2 local processes, device {where}, addresses {','.join(args.addresses)}")
-    print(f"{'transport':<10} {'streams':>7} {'size':>8} {'GB/s':>8}")
-    print("-" * 36)
+    print_table(f"2 local processes, device {where}, addresses {','.join(args.addresses)}", rows)
+    return 0
+
+
+def print_table(setting: str, rows: list[tuple[str, int, int, float]]) -> None:
+    print(f"channel bandwidth, {setting}")
+    print(f"{'transport':<10} {'streams':>7} {'size':>8} {'GB/s':>8} {'MB/s':>9}")
+    print("-" * 46)
     for transport, nstreams, nbytes, gbps in rows:
-        print(f"{transport:<10} {nstreams:>7} {human(nbytes):>8} {gbps:>8.3f}")
+        print(f"{transport:<10} {nstreams:>7} {human(nbytes):>8} {gbps:>8.3f} {gbps * 1000:>9.1f}")
+
+
+def two_hosts(args: argparse.Namespace, opts: dict) -> int:
+    """This host's half of a two-host run: its NICs, the store on rank 0, one rank's loop."""
+    from hetpipe.cluster import TransportConfig
+    from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting, socket_ifname
+    from hetpipe.errors import HetpipeError
+    from hetpipe.job_secret import find_job_secret
+
+    host, _, port = args.store.rpartition(":")
+    token = find_job_secret(os.environ)
+    if token is None:
+        print("bench_channel: error: two hosts need the same secret on both: set HETPIPE_JOB_TOKEN",
+              file=sys.stderr)
+        return 2
+    try:
+        split = (lambda value: [v.strip() for v in value.split(",") if v.strip()] if value else None)
+        transport = TransportConfig(addresses=args.addresses, interfaces=split(args.interfaces),
+                                    subnets=split(args.subnets))
+        nics = resolve_local_nics(transport)
+        check_dialable([nic.address for nic in nics], True, selection_setting(transport))
+        # The world group (barriers between measurements) must not take the
+        # address the host name resolves to: loopback, often.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", socket_ifname(nics[:1]))
+    except HetpipeError as exc:
+        print(f"bench_channel: error: {exc}", file=sys.stderr)
+        return 2
+    opts.update(addresses=[nic.address for nic in nics], store_host=host, token=token,
+                transports=opts["transports"] or {"tcp"})
+
+    def give_up(signum: int, frame: object) -> None:
+        print(f"bench_channel: error: gave up after {args.time_limit:g} s (--time-limit)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(max(1, round(args.time_limit)))
+    if args.rank == 0:  # kept alive by this process while both ranks run
+        server = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,  # noqa: F841
+                               timeout=timedelta(seconds=args.time_limit))
+    rows = run_rank(args.rank, int(port), opts)
+    if args.rank == 0:
+        names = ", ".join(f"{nic.name} {nic.address}" for nic in nics)
+        print_table(f"2 hosts, device {args.device}, NICs {names}", rows)
     return 0
 
 

@@ -15,7 +15,9 @@ Variants:
 
 Any variant takes a ``+BACKEND`` suffix (``fused+cudnn``, ``eager+flash``):
 the SDPA backend the layers prefer (train.attention_backend; without a suffix,
-torch's own choice). ``--unit head`` times the output head instead (final
+torch's own choice), and a ``+recompute=MODE`` suffix (``fused+recompute=full``):
+activation recomputation of every layer (train.recompute: none, selective or
+full; see hetpipe/models/recompute.py). ``--unit head`` times the output head instead (final
 norm, logits and the chunked cross-entropy with its gradients; Megatron's
 logits FLOPs): ``eager`` is the eager loss, ``fused`` the compiled per-chunk
 loss (what train.fuse_elementwise switches on there); a ``+chunkN`` suffix
@@ -23,15 +25,21 @@ sets the loss's tokens per chunk (default: hetpipe.models.loss's choice).
 
 Prints, per variant: the first iteration's time (kernel loading and
 compilation), milliseconds per layer and microbatch, TFLOP/s by Megatron's
-formula (the layer's share, no logits), peak memory and the number of graphs
+formula (the layer's share, no logits; recomputation is not model FLOPs), the
+activations a layer keeps per microbatch for its backward (counted with
+saved-tensor hooks), peak memory (GPU) and the number of graphs
 dynamo compiled (a number growing with --layers means recompilation per
-layer). ``--profile DIR`` writes one profiled iteration per variant
+layer). Without a GPU it runs on the CPU in fp32, as the trainer does there
+(tiny shapes only: ``--model tiny_llama --seq-length 64``), with no peak
+memory. ``--profile DIR`` writes one profiled iteration per variant
 (profile_<variant>.txt, as train.profile_step does). Run with
 TORCH_LOGS=recompiles,graph_breaks to see why dynamo recompiles.
 
   python scripts/bench_layer.py --model llama8b --seq-length 8192 --layers 4 --variants eager,fused,compile
   python scripts/bench_layer.py --model llama8b --variants fused,fused+cudnn,fused+flash
   python scripts/bench_layer.py --model llama8b --unit head --variants eager,fused,fused+chunk523
+  python scripts/bench_layer.py --model llama8b --seq-length 8192 --layers 4 \
+      --variants fused,fused+recompute=selective,fused+recompute=full
 """
 from __future__ import annotations
 
@@ -45,7 +53,9 @@ import torch
 from hetpipe.models import build_model
 from hetpipe.models.model_config import model_preset
 from hetpipe.models.layers import ATTENTION_BACKENDS, fuse_elementwise, set_attention_backend
-from hetpipe.precision import Bf16Weights
+from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
+from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
+from hetpipe.precision import Bf16Weights, compute_context
 from hetpipe.profiling import profile_step
 
 VARIANTS = ("eager", "fused", "compile")
@@ -64,29 +74,36 @@ def head_flops(cfg, seq_length: int) -> float:
     return 6.0 * seq_length * cfg.hidden_size * cfg.vocab_size
 
 
-def split_variant(variant: str) -> tuple[str, str, Optional[int]]:
-    """``fused+cudnn+chunk512`` -> ("fused", "cudnn", 512); no backend suffix ->
-    torch's own backend; no chunk suffix -> the loss's own chunk size (None)."""
+def split_variant(variant: str) -> tuple[str, str, Optional[int], str]:
+    """``fused+cudnn+chunk512+recompute=full`` -> ("fused", "cudnn", 512, "full");
+    no backend suffix -> torch's own backend; no chunk suffix -> the loss's own
+    chunk size (None); no recompute suffix -> none."""
     kind, *suffixes = variant.split("+")
-    backend, chunk = "auto", None
+    backend, chunk, recompute = "auto", None, "none"
     for suffix in suffixes:
         if suffix.startswith("chunk") and suffix[5:].isdigit() and int(suffix[5:]) > 0:
             chunk = int(suffix[5:])
+        elif suffix.startswith("recompute="):
+            recompute = suffix[len("recompute="):]
         else:
             backend = suffix
-    return kind, backend, chunk
+    return kind, backend, chunk, recompute
 
 
-def run_variant(args, cfg, variant: str) -> dict:
+def run_variant(args, cfg, variant: str, device: torch.device) -> dict:
     import torch._dynamo
 
+    cuda = device.type == "cuda"
     torch._dynamo.reset()
-    torch.cuda.reset_peak_memory_stats()
-    kind, backend, chunk_tokens = split_variant(variant)
+    torch._dynamo.utils.counters.clear()  # graphs are counted per variant
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    kind, backend, chunk_tokens, recompute = split_variant(variant)
     head = args.unit == "head"
     units = (cfg.num_units - 1, cfg.num_units) if head else (1, 1 + args.layers)
-    chunk = build_model(cfg, seed=1, units=units, device="cuda")
+    chunk = build_model(cfg, seed=1, units=units, device=device)
     set_attention_backend(chunk, backend)
+    set_recompute(chunk, recompute)
     if head:
         chunk.head.chunk_tokens = chunk_tokens
     if kind == "fused":
@@ -94,37 +111,62 @@ def run_variant(args, cfg, variant: str) -> dict:
     if kind == "compile":
         for layer in chunk.layers.values():
             layer.compile()
-    weights = Bf16Weights([chunk], fuse_linear_grads=kind != "compile")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    # The trainer's precision: bf16 working copies on GPUs, fp32 on CPUs.
+    precision = "bf16" if cuda else "fp32"
+    weights = Bf16Weights([chunk], fuse_linear_grads=kind != "compile") if cuda else None
+    gen = torch.Generator(device=device).manual_seed(0)
     shape = (1, args.seq_length, cfg.hidden_size)
-    x = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    grad_y = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-    labels = torch.randint(0, cfg.vocab_size, shape[:2], generator=gen, device="cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    x = torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_()
+    grad_y = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    labels = torch.randint(0, cfg.vocab_size, shape[:2], generator=gen, device=device)
+
+    def forward() -> torch.Tensor:
+        with compute_context(precision, device.type, weights, 0):
+            return chunk(x, labels) if head else chunk(x)
+
+    def backward(y: torch.Tensor) -> None:
+        if head:
+            y.backward()
+        else:
+            y.backward(grad_y)
 
     def iteration(microbatches: int) -> None:
-        weights.refresh()
+        if weights is not None:
+            weights.refresh()
         for _ in range(microbatches):
-            with weights.swap(0):
-                y = chunk(x, labels) if head else chunk(x)
-            if head:
-                y.backward()
-            else:
-                y.backward(grad_y)
+            backward(forward())
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     t0 = time.perf_counter()
     iteration(1)
-    torch.cuda.synchronize()
+    sync()
     first_s = time.perf_counter() - t0
     iteration(args.microbatches)  # warm
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    sync()
+    per_unit = 1 if head else args.layers
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
     for _ in range(args.iters):
         iteration(args.microbatches)
-    end.record()
-    torch.cuda.synchronize()
-    per_unit = 1 if head else args.layers
-    ms = start.elapsed_time(end) / (args.iters * args.microbatches * per_unit)
+    if cuda:
+        end.record()
+        torch.cuda.synchronize()
+        elapsed_ms = start.elapsed_time(end)
+    else:
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+    ms = elapsed_ms / (args.iters * args.microbatches * per_unit)
+    # One more microbatch, untimed, to count what the layers keep for the backward.
+    with saved_tensor_bytes(weight_storages(chunk, weights)) as saved:
+        y = forward()
+    kept_mib = sum(saved.values()) / per_unit / 2**20
+    backward(y)
+    del y
     if args.profile:
         with profile_step(True, Path(args.profile), 0, 0):
             iteration(args.microbatches)
@@ -133,7 +175,8 @@ def run_variant(args, cfg, variant: str) -> dict:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     result = {"variant": variant, "first_s": first_s, "ms_per_layer": ms,
               "tflops": (head_flops if head else layer_flops)(cfg, args.seq_length) / (ms * 1e-3) / 1e12,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "graphs": graphs}
+              "kept_mib": kept_mib, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+              "graphs": graphs}
     return result
 
 
@@ -152,28 +195,34 @@ def main() -> None:
     variants = args.variants.split(",")
     unknown = [v for v in variants if split_variant(v)[0] not in VARIANTS
                or split_variant(v)[1] not in ATTENTION_BACKENDS
-               or (args.unit == "head" and split_variant(v)[0] == "compile")
-               or (args.unit != "head" and split_variant(v)[2] is not None)]
+               or split_variant(v)[3] not in RECOMPUTE_MODES
+               or (args.unit == "head" and (split_variant(v)[0] == "compile" or split_variant(v)[3] != "none"))
+               or (args.unit != "head" and split_variant(v)[2] is not None)
+               or (split_variant(v)[0] == "compile" and split_variant(v)[3] != "none")]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)} (not compile with "
-                     f"--unit head), each optionally +BACKEND with BACKEND one of {', '.join(ATTENTION_BACKENDS[1:])}"
+                     f"--unit head), each optionally +BACKEND with BACKEND one of {', '.join(ATTENTION_BACKENDS[1:])},"
+                     f" +recompute=MODE with MODE one of {', '.join(RECOMPUTE_MODES)} (layers, not compile)"
                      f" and, with --unit head, +chunkN (N tokens per loss chunk)")
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA (or ROCm) GPU")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = model_preset(args.model)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.model}, seq {args.seq_length}, "
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (fp32)"
+    print(f"{name}, torch {torch.__version__}; {args.model}, seq {args.seq_length}, "
           f"{'the head' if args.unit == 'head' else f'{args.layers} layers'} x {args.microbatches} microbatches x {args.iters} timed iterations", flush=True)
     rows = []
     for variant in variants:
-        rows.append(run_variant(args, cfg, variant))
-        torch.cuda.empty_cache()  # the variant's model is gone
+        rows.append(run_variant(args, cfg, variant, device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the variant's model is gone
         print(rows[-1], flush=True)
     base = next((r for r in rows if r["variant"] == "eager"), rows[0])
-    print(f"\n| variant | first iteration s | ms per {args.unit}-microbatch | TFLOP/s | vs {base['variant']} | peak GiB | graphs |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"\n| variant | first iteration s | ms per {args.unit}-microbatch | TFLOP/s | vs {base['variant']} | "
+          f"kept MiB per {args.unit} | peak GiB | graphs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         print(f"| {r['variant']} | {r['first_s']:.1f} | {r['ms_per_layer']:.2f} | {r['tflops']:.1f} | "
-              f"{base['ms_per_layer'] / r['ms_per_layer']:.3f} | {r['peak_gib']:.1f} | {r['graphs']} |")
+              f"{base['ms_per_layer'] / r['ms_per_layer']:.3f} | {r['kept_mib']:.1f} | {peak} | {r['graphs']} |")
 
 
 if __name__ == "__main__":

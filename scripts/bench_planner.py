@@ -62,7 +62,8 @@ def main() -> None:
         layers = [s.layers for s in solution.stages]
         print(f"{gpus:>5}  {min(times):>8.2f}s  {solution.candidates_total:>10}  {solution.candidates_solved:>6}  "
               f"{solution.step_s:>7.3f}s  {solution.tflops_per_gpu:>11.1f}  {shape}, DP{c.dp}, "
-              f"M={c.num_microbatches}, recompute {'on' if c.recompute else 'off'}, layers {layers}", flush=True)
+              f"M={c.num_microbatches}, recompute {'/'.join(st.recompute for st in solution.stages)}, layers {layers}",
+              flush=True)
 
 
 if __name__ == "__main__":

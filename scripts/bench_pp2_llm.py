@@ -119,7 +119,7 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
         return None, "the planner fixes one TP degree for all groups and plans 1F1B only"
     kind = cfg.cluster.transport.kind
     planner = dataclasses.replace(
-        cfg.planner, tp=tps.pop(), dp=physical[0].dp, recompute=False,
+        cfg.planner, tp=tps.pop(), dp=physical[0].dp, recompute="none",
         stages=[sum(s.group == g.name for s in physical) for g in cfg.cluster.groups],
         group_order=list(dict.fromkeys(s.group for s in physical)),
         transport="direct" if kind == "direct" else "cpu_forwarding",

@@ -20,6 +20,13 @@
 # build (CUDA or ROCm); hetpipe checks it against the vendor the cluster config
 # declares for the node's ranks.
 #
+# Each node's NICs come from the cluster config (cluster.transport.interfaces
+# or subnets, resolved on the node itself): its ranks listen on them, torchrun
+# is told the first one (--local-addr), and gloo and NCCL/RCCL use the same
+# interfaces - no per-node overrides or GLOO_SOCKET_IFNAME by hand.
+# HETPIPE_RDZV_TIMEOUT_S (default 600) bounds how long a node waits for the
+# others to join.
+#
 #   NODE_RANK=1 RDZV_ENDPOINT=10.0.0.1:29400 HETPIPE_JOB_TOKEN_FILE=~/.hetpipe-token \
 #     bash scripts/launch_cluster.sh +model=llama8b cluster=h200_mi325x_2node ...
 #
@@ -29,8 +36,10 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 
 # This node's place: HETPIPE_NNODES, HETPIPE_NODE_RANK, HETPIPE_NPROC_PER_NODE,
-# HETPIPE_FIRST_RANK, HETPIPE_GROUP, HETPIPE_VENDOR, HETPIPE_RDZV_* (a bad or
-# missing variable is one "hetpipe: error:" line and exit 2).
+# HETPIPE_FIRST_RANK, HETPIPE_GROUP, HETPIPE_VENDOR, HETPIPE_RDZV_*, and on a
+# multi-node job HETPIPE_LOCAL_ADDR, this node's first NIC as
+# cluster.transport selects it (a bad or missing variable, or a NIC this node
+# lacks, is one "hetpipe: error:" line and exit 2).
 place=$("$PYTHON" -m hetpipe.scheduler_env --scheduler "${HETPIPE_SCHEDULER:-auto}" -- "$@")
 eval "$place"
 
@@ -47,15 +56,15 @@ export HETPIPE_JOB_TOKEN
 # Pre-flight check before the job, the single place for it: hetpipe.doctor
 # with the job's own command line, one process per node, comparing the nodes
 # through a rendezvous of its own on the next port (so the job's store never
-# meets the doctor's while one node is still checking). HETPIPE_DOCTOR=1 turns
-# it on; off by default for now (HETPIPE_DOCTOR=0 keeps it off once the
-# default flips). A blocker stops this node with the doctor's exit status.
-if [[ "${HETPIPE_DOCTOR:-0}" != 0 ]]; then
+# meets the doctor's while one node is still checking). On by default;
+# HETPIPE_DOCTOR=0 skips it. A blocker stops this node with the doctor's exit
+# status.
+if [[ "${HETPIPE_DOCTOR:-1}" != 0 ]]; then
   if [[ "$HETPIPE_NNODES" == 1 ]]; then
     "$PYTHON" -m hetpipe.doctor "$@"
   else
     "$PYTHON" -m torch.distributed.run --nnodes "$HETPIPE_NNODES" --nproc-per-node 1 \
-      --rdzv-backend c10d --rdzv-id "$HETPIPE_RDZV_ID-doctor" \
+      --rdzv-backend c10d --rdzv-id "$HETPIPE_RDZV_ID-doctor" ${HETPIPE_LOCAL_ADDR:+--local-addr "$HETPIPE_LOCAL_ADDR"} \
       --rdzv-endpoint "${HETPIPE_RDZV_ENDPOINT%:*}:$(( ${HETPIPE_RDZV_ENDPOINT##*:} + 1 ))" \
       --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \
       -m hetpipe.doctor "$@"
@@ -66,11 +75,15 @@ fi
 # --node-rank, so each worker's RANK is set from the cluster config's order
 # instead: HETPIPE_FIRST_RANK + LOCAL_RANK. Workers reach the store as clients
 # of torchrun's agent store, so the renumbering is safe. is_host is given, not
-# guessed from host names; read_timeout lets the nodes start minutes apart
-# (image pulls, queueing of a job component) before the store connection fails.
-exec "$PYTHON" -m torch.distributed.run \
+# guessed from host names; --local-addr is the address the other nodes reach
+# this one at, not what its host name resolves to (loopback, often);
+# read_timeout and join_timeout let the nodes start minutes apart (image
+# pulls, queueing of a job component), and bound how long a node waits for one
+# that never comes. hetpipe.launch is torchrun with one-line failures.
+exec "$PYTHON" -m hetpipe.launch \
   --nnodes "$HETPIPE_NNODES" --nproc-per-node "$HETPIPE_NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$HETPIPE_RDZV_ENDPOINT" --rdzv-id "$HETPIPE_RDZV_ID" \
-  --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \
+  ${HETPIPE_LOCAL_ADDR:+--local-addr "$HETPIPE_LOCAL_ADDR"} \
+  --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600},join_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \
   --no-python bash -c 'export RANK=$((HETPIPE_FIRST_RANK + LOCAL_RANK)); exec "$0" -m hetpipe.pretrain "$@"' \
   "$PYTHON" "$@"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from channel_harness import NAMES, Ranks, bits_equal, make
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
 from hetpipe.comm.direct import DirectChannel, make_mover
-from hetpipe.comm.handshake import REPLY_SIZE, encode_hello
+from hetpipe.comm.handshake import CHALLENGE_SIZE, FINAL_SIZE, NONCE_SIZE, PROOF_SIZE, encode_hello, encode_proof
 from hetpipe.comm.ipc_mover import IpcShare
 from hetpipe.comm.mover import RegionHandle
 from hetpipe.comm.rendezvous import lookup_endpoints
@@ -346,11 +346,13 @@ def test_wrong_token_is_refused_while_the_real_peer_still_connects():
         _, endpoints = lookup_endpoints(prefixed, 1, 10.0)
         half_open = socket.create_connection(endpoints[0], timeout=5.0)  # says nothing
         rogue = socket.create_connection(endpoints[0], timeout=5.0)
-        rogue.sendall(encode_hello(0, 0, 1, "not-the-job-token"))
+        rogue.sendall(encode_hello(0, 1, 0, 1, bytes(NONCE_SIZE)))
         try:
-            reply = rogue.recv(REPLY_SIZE)
-            assert reply[:4] == b"HPCH" and reply[4] != 0, "a wrong token was accepted"
-            with pytest.raises(ChannelError, match="refused the connection: wrong job token"):
+            assert len(rogue.recv(CHALLENGE_SIZE, socket.MSG_WAITALL)) == CHALLENGE_SIZE
+            rogue.sendall(encode_proof(bytes(PROOF_SIZE)))  # a guess: it does not hold the secret
+            reply = rogue.recv(FINAL_SIZE, socket.MSG_WAITALL)
+            assert reply[:4] == b"HPCH" and reply[4] != 0, "a wrong proof was accepted"
+            with pytest.raises(ChannelError, match="did not prove the job secret"):
                 channel(0, ranks.store, token="also-wrong", deadline=5.0)
             with channel(0, ranks.store) as ch:
                 back = torch.empty(4, 4)

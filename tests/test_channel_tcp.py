@@ -27,7 +27,7 @@ from hetpipe.comm.channel import (
     encode_header,
     header_for,
 )
-from hetpipe.comm.handshake import ACCEPTED_REPLY, REPLY_SIZE, encode_hello
+from hetpipe.comm.handshake import introduce
 from hetpipe.comm.rendezvous import lookup_endpoints
 from hetpipe.comm.tcp import MIN_PIECE_BYTES, TcpChannel, split_pieces
 
@@ -167,16 +167,11 @@ def echo_once(rank: int, store) -> bool:
 # -------------------------------------------------------------- rogue peer
 
 def rogue_connect(store, token: str = TOKEN) -> socket.socket:
-    """Connect to stage 1 as 'stage 0' with a raw socket and do the handshake by hand."""
+    """Connect to stage 1 as 'stage 0' with a raw socket that knows the secret and writes frames by hand."""
     _, endpoints = lookup_endpoints(store, 1, 10.0)
     sock = socket.create_connection(endpoints[0], timeout=10.0)
-    sock.sendall(encode_hello(0, 0, 1, token))
-    reply = b""
-    while len(reply) < REPLY_SIZE:
-        chunk = sock.recv(REPLY_SIZE - len(reply))
-        assert chunk, "stage 1 closed the rogue's connection during the handshake"
-        reply += chunk
-    assert reply == ACCEPTED_REPLY
+    introduce(sock, rank=0, peer=1, stream=0, nstreams=1, secret=token.encode(), until=time.monotonic() + 10.0,
+              own_name=NAMES[0], peer_name=NAMES[1])
     return sock
 
 
@@ -381,12 +376,15 @@ def test_wrong_token_is_refused_while_the_real_peer_still_connects():
         half_open = socket.create_connection(endpoints[0], timeout=5.0)  # says nothing at all
         garbage = socket.create_connection(endpoints[0], timeout=5.0)
         garbage.sendall(b"GET / HTTP/1.1\r\nHost: stage1\r\n\r\n" * 4)
-        oversized = socket.create_connection(endpoints[0], timeout=5.0)
-        oversized.sendall(encode_hello(0, 0, 1, TOKEN)[:-len(TOKEN) - 4] + struct.pack("<I", 1 << 30))
+        # A version-1 client, which sent the job token in clear.
+        clear_text = socket.create_connection(endpoints[0], timeout=5.0)
+        clear_text.sendall(struct.pack("<4sHiHHI", b"HPCH", 1, 0, 0, 1, 64) + b"t" * 64)
         try:
             with pytest.raises(ChannelError) as info:
                 channel(0, ranks.store, token="not-the-job-token", deadline=5.0)
-            assert str(info.value) == "peer stage 1 (group amd, rank 1) refused the connection: wrong job token"
+            assert str(info.value).startswith(
+                f"peer at {endpoints[0][0]}:{endpoints[0][1]} claiming to be stage 1 (group amd, rank 1) did not "
+                "prove the job secret, so stage 0 (group nvidia, rank 0) refused it")
             with channel(0, ranks.store) as ch:
                 back = torch.empty(4, 4)
                 ch.isend(torch.arange(16.0).reshape(4, 4), 1, microbatch=0, kind="fwd").wait()
@@ -394,7 +392,7 @@ def test_wrong_token_is_refused_while_the_real_peer_still_connects():
                 assert torch.equal(back, 2 * torch.arange(16.0).reshape(4, 4))
             assert ranks.results()[1] is True
         finally:
-            for sock in (half_open, garbage, oversized):
+            for sock in (half_open, garbage, clear_text):
                 sock.close()
 
 

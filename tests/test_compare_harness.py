@@ -10,14 +10,11 @@ import os
 import struct
 import subprocess
 import sys
-import zlib
 
 import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from hetpipe.wandb_log import _wandb_records
-from hetpipe.errors import HetpipeError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The pipeline tests' tiny model and batch: a run takes a few seconds.
@@ -26,13 +23,23 @@ TINY = ["model.hidden_size=64", "model.ffn_hidden_size=160", "train.train_iters=
         "optimizer.lr=3e-3"]
 
 
-def _run(tmp_path, name, losses, first_step=1):
+def _run(tmp_path, name, losses, first_step=1, val=None):
+    """A run directory with training rows from ``first_step`` on and, after
+    the training row of each step in ``val`` ({step: loss}), a validation
+    row as MetricsLogger.record_validation writes it."""
     d = tmp_path / name
     d.mkdir()
-    (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": first_step + i, "loss": x, "tokens_per_s": 1000.0 + i}) + "\n"
-        for i, x in enumerate(losses)))
+    rows = []
+    for i, x in enumerate(losses):
+        rows.append({"step": first_step + i, "loss": x, "tokens_per_s": 1000.0 + i})
+        if first_step + i in (val or {}):
+            rows.append({"step": first_step + i, "val_loss": val[first_step + i], "val_ppl": 2.0})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
+
+
+def _png_width(path):
+    return struct.unpack(">I", path.read_bytes()[16:20])[0]  # the IHDR chunk's width
 
 
 def _table(markdown, header_start):
@@ -75,6 +82,57 @@ def test_png_and_markdown_written_with_one_row_per_compared_run(tmp_path):
     proc = run_cli(["-m", "hetpipe.compare", str(ref), str(off), "--plot", str(png), "--markdown", str(md)])
     assert proc.returncode == 1 and "FAIL" in proc.stdout
     assert png.read_bytes().startswith(PNG_MAGIC) and "| off |" in md.read_text()
+    # No validation rows anywhere: training only, said once, one plot column.
+    assert "validation loss: training only, no run has validation rows" in proc.stdout
+    assert "Validation: training only, no run has validation rows." in md.read_text()
+    assert _png_width(png) == 8 * 120
+
+
+@pytest.mark.timeout(60)
+def test_validation_curves_are_compared_with_the_same_rtol(tmp_path):
+    val = {2: 4.5, 3: 3.5}
+    ref = _run(tmp_path, "ref", [5.0, 4.0, 3.0], val=val)
+    same = _run(tmp_path, "same", [5.0, 4.0, 3.0], val=val)
+    # Training within 1e-2 of the reference; validation 0.4 / 3.5 away at step 3.
+    off = _run(tmp_path, "off", [5.0, 4.0, 3.01], val={2: 4.5, 3: 3.9})
+    none = _run(tmp_path, "none", [5.0, 4.0, 3.0])
+    out = tmp_path / "report"
+    proc = run_cli(["-m", "hetpipe.compare", str(ref), str(same), str(off), str(none), "--rtol", "1e-2",
+                    "--out", str(out)])
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    val_start = lines.index(next(line for line in lines if line.startswith("validation loss ")))
+    training = {line.split()[0]: line for line in lines[:val_start] if line.startswith(("same ", "off ", "none "))}
+    validation = {line.split()[0]: line for line in lines[val_start:] if line.startswith(("same ", "off ", "none "))}
+    assert all(line.endswith(" PASS") or line.endswith("(bitwise identical)") for line in training.values())
+    assert validation["same"].endswith("PASS (bitwise identical)")
+    assert validation["off"].split()[1:3] == ["2", "0"] and validation["off"].endswith("FAIL")
+    assert validation["none"].split()[1:] == "training only: no validation rows in none".split()
+    assert "curves differ beyond tolerance" in proc.stdout
+    # The summary counts each run's validation rows and its final validation loss.
+    summary = {line.split()[0]: line.split() for line in lines[:lines.index("")]}
+    assert summary["ref"][-2:] == ["2", "3.500000"] and summary["none"][-2:] == ["0", "-"]
+
+    md = (out / "compare.md").read_text()
+    header, rows = _table(md, "run vs reference (validation)")
+    off_row = dict(zip(header, rows[1]))
+    assert [r[0] for r in rows] == ["same", "off", "none"]
+    assert off_row["max abs diff"] == f"{0.4:.3e}" and off_row["verdict"] == "FAIL"
+    assert rows[2][-1] == "training only: no validation rows in none"
+    assert "Verdict: **FAIL**" in md
+    # A second column of panels: validation loss and its difference.
+    assert _png_width(out / "compare.png") == 2 * 8 * 120
+
+    # Validation within tolerance: the same runs pass.
+    proc = run_cli(["-m", "hetpipe.compare", str(ref), str(off), "--rtol", "0.2"])
+    assert proc.returncode == 0 and "all runs agree" in proc.stdout, proc.stdout + proc.stderr
+    # A reference without validation rows: every run compares training only.
+    proc = run_cli(["-m", "hetpipe.compare", str(none), str(ref)])
+    assert proc.returncode == 0 and "training only: no validation rows in none" in proc.stdout
+    # Validation rows that never share a step with the reference's cannot be judged.
+    late = _run(tmp_path, "late", [5.0, 4.0, 3.0], val={1: 4.5})
+    proc = run_cli(["-m", "hetpipe.compare", str(ref), str(late)])
+    assert proc.returncode == 2 and "share no validation steps to compare" in proc.stderr
 
 
 @pytest.mark.timeout(60)
@@ -104,10 +162,13 @@ def test_a_metrics_jsonl_path_is_accepted(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case, message", [
     ("missing", "no such run directory or metrics file"),
-    ("empty_dir", "no metrics.jsonl and no wandb offline run"),
-    ("empty_file", "no metrics rows"),
+    ("empty_dir", "no metrics.jsonl (is it a hetpipe run directory?)"),
+    ("empty_file", "no metrics rows with a training loss"),
+    ("only_validation", "no metrics rows with a training loss"),
     ("bad_json", "metrics.jsonl:2: not a JSON row"),
-    ("no_loss", "metrics.jsonl:1: a metrics row needs an integer 'step' and a numeric 'loss'"),
+    ("no_step", "metrics.jsonl:1: a metrics row needs an integer 'step'"),
+    ("no_loss", "metrics.jsonl:1: a metrics row needs a numeric 'loss' or 'val_loss'"),
+    ("bad_val_loss", "metrics.jsonl:2: a metrics row needs a numeric 'loss' or 'val_loss'"),
 ])
 def test_unreadable_run_is_one_clear_line(tmp_path, case, message):
     good = _run(tmp_path, "good", [5.0, 4.0])
@@ -115,7 +176,9 @@ def test_unreadable_run_is_one_clear_line(tmp_path, case, message):
     if case != "missing":
         bad.mkdir()
     contents = {"empty_file": "\n", "bad_json": '{"step": 1, "loss": 5.0}\n{"step": 2,\n',
-                "no_loss": '{"step": 1, "lm loss": 5.0}\n'}
+                "only_validation": '{"step": 1, "val_loss": 5.0, "val_ppl": 148.4}\n',
+                "no_step": '{"loss": 5.0}\n', "no_loss": '{"step": 1, "lm loss": 5.0}\n',
+                "bad_val_loss": '{"step": 1, "loss": 5.0}\n{"step": 1, "val_loss": null}\n'}
     if case in contents:
         (bad / "metrics.jsonl").write_text(contents[case])
     proc = run_cli(["-m", "hetpipe.compare", str(good), str(bad), "--out", str(tmp_path / "report")])
@@ -126,18 +189,25 @@ def test_unreadable_run_is_one_clear_line(tmp_path, case, message):
 
 
 @pytest.mark.timeout(60)
-def test_wandb_offline_run_without_the_wandb_package_is_one_clear_line(tmp_path):
-    # Hides wandb even where it is installed; the log is never opened, so a
-    # header alone stands in for one.
+@pytest.mark.parametrize("given", ["wandb_dir", "offline_run", "wandb_log", "run_without_jsonl"])
+def test_a_wandb_run_is_refused_with_a_pointer_to_metrics_jsonl(tmp_path, given):
+    # metrics.jsonl is the record compare reads; wandb's files are a mirror
+    # in a format hetpipe does not own. A run directory with metrics.jsonl
+    # is read as usual even with a wandb mirror beside it.
     good = _run(tmp_path, "good", [5.0, 4.0])
-    offline = tmp_path / "wb" / "wandb" / "offline-run-20260101_000000-abcd1234"
+    offline = good / "wandb" / "offline-run-20260101_000000-abcd1234"
     offline.mkdir(parents=True)
     (offline / "run-abcd1234.wandb").write_bytes(b":W&B\xe1\xbe\x00")
-    code = ("import sys; sys.modules['wandb'] = None; from hetpipe.compare import main; "
-            f"sys.exit(main([{str(good)!r}, {str(tmp_path / 'wb')!r}]))")
-    proc = run_cli(["-c", code])
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert f"hetpipe: error: {offline}: reading wandb runs needs the wandb package" in proc.stderr
+    proc = run_cli(["-m", "hetpipe.compare", str(good), str(good)])
+    assert proc.returncode == 0 and "bitwise identical" in proc.stdout, proc.stderr
+    if given == "run_without_jsonl":
+        (good / "metrics.jsonl").rename(tmp_path / "metrics.jsonl")
+    bad = {"wandb_dir": good / "wandb", "offline_run": offline, "wandb_log": offline / "run-abcd1234.wandb",
+           "run_without_jsonl": good}[given]
+    proc = run_cli(["-m", "hetpipe.compare", str(_run(tmp_path, "ref", [5.0, 4.0])), str(bad)])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr == (f"hetpipe: error: {bad}: compare reads metrics.jsonl, not wandb runs: "
+                           "pass the hetpipe run directory that holds metrics.jsonl\n")
 
 
 @pytest.mark.timeout(60)
@@ -152,76 +222,6 @@ def test_plot_without_matplotlib_names_the_extra_and_keeps_the_report(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "hetpipe: error: writing a plot needs the matplotlib package: pip install 'hetpipe[plot]'" in proc.stderr
     assert (tmp_path / "report" / "compare.md").is_file()
-
-
-def _frame(payloads):
-    """A .wandb log in LevelDB's log framing, written as the wandb writer does."""
-    out = bytearray(b":W&B\xe1\xbe\x00")
-    block = 32 * 1024
-    for payload in payloads:
-        first = True
-        while True:
-            left = block - len(out) % block
-            if left < 7:
-                out += b"\0" * left
-                left = block
-            chunk, payload = payload[:left - 7], payload[left - 7:]
-            kind = (1 if not payload else 2) if first else (4 if not payload else 3)
-            out += struct.pack("<IHB", zlib.crc32(chunk, zlib.crc32(bytes([kind]))), len(chunk), kind) + chunk
-            first = False
-            if not payload:
-                break
-    return bytes(out)
-
-
-@pytest.mark.timeout(60)
-def test_wandb_log_framing_across_blocks_truncation_and_corruption(tmp_path):
-    # The framing is hetpipe's own reader (the records' protobuf is wandb's):
-    # records spanning blocks, a block tail too short for a header, a log cut
-    # off mid-record by a crash, and a flipped byte.
-    # a ends at byte 24; b spans three blocks and ends 4509 bytes into the
-    # third; c leaves 3 bytes of that block, which become padding.
-    payloads = [b"a" * 10, b"b" * 70_000, b"c" * (32 * 1024 - 3 - 4509 - 7), b"d" * 5, b""]
-    log = tmp_path / "run.wandb"
-    data = _frame(payloads)
-    log.write_bytes(data)
-    assert [p for _, p in _wandb_records(log)] == payloads
-    assert data[2 * 32 * 1024 + 32 * 1024 - 3:3 * 32 * 1024] == b"\0\0\0"
-    log.write_bytes(data[:-7 - 2])  # d loses its last bytes (and the empty record): only d is dropped
-    assert [p for _, p in _wandb_records(log)] == payloads[:3]
-    corrupt = bytearray(data)
-    corrupt[40] ^= 1
-    log.write_bytes(bytes(corrupt))
-    with pytest.raises(HetpipeError, match="corrupt record at byte 24"):
-        list(_wandb_records(log))
-    log.write_bytes(b"not a wandb log")
-    with pytest.raises(HetpipeError, match="not a wandb transaction log"):
-        list(_wandb_records(log))
-
-
-@pytest.mark.timeout(120)
-def test_wandb_offline_run_reads_like_its_metrics_jsonl(tmp_path):
-    pytest.importorskip("wandb")
-    # hetpipe's own MetricsLogger writes both records of the same rows.
-    run_dir = tmp_path / "wb"
-    code = f"""
-import torch
-from pathlib import Path
-from hetpipe.metrics import MetricsLogger
-log = MetricsLogger(Path({str(run_dir)!r}), total_steps=4, tokens_per_step=64, flops_per_step=1e6,
-                    num_devices=1, peak_tflops=None, log_interval=2, progress=False, wandb_project="t")
-for step, loss in enumerate([5.25, 4.5, 4.125, 3.0625], 1):
-    log.record(step, torch.tensor(loss + 1e-7), torch.tensor(1.0), 1e-3, 8 * step)
-log.close()
-"""
-    env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
-                          timeout=100)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir / "metrics.jsonl").rename(tmp_path / "metrics.jsonl")
-    proc = run_cli(["-m", "hetpipe.compare", str(run_dir), str(tmp_path / "metrics.jsonl"), "--rtol", "0"])
-    assert proc.returncode == 0, proc.stderr
-    assert "bitwise identical" in proc.stdout and "offline-run-" in proc.stdout
 
 
 def _parity(out, data):

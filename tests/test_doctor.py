@@ -56,7 +56,10 @@ def test_a_clean_node_prints_its_table_and_exits_0(tmp_path):
 
 def test_what_this_node_lacks_is_one_blocker_line_each_and_exit_1(tmp_path):
     (tmp_path / "corpus.idx").write_bytes(b"index")
-    proc = doctor(["cluster=h200_mi325x_2node", f"data.path={tmp_path / 'corpus'}",
+    # The shipped config selects NICs by subnet; a wildcard address is what
+    # the doctor must refuse, so it is given explicitly here.
+    proc = doctor(["cluster=h200_mi325x_2node", "cluster.transport.subnets=null",
+                   "cluster.transport.addresses=[0.0.0.0]", f"data.path={tmp_path / 'corpus'}",
                    f"data.tokenizer={tmp_path / 'no_tokenizer'}"], tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "corpus.idx: sha256 " in proc.stdout and "(whole file, 5 bytes)" in proc.stdout

@@ -107,7 +107,7 @@ def test_the_h200_profile_picks_the_splits_measured_fastest(tmp_path):
     head got faster, measured 5.5 % slower in the same call); see
     docs/benchmarks.md."""
     common = ["cluster=gpu2_mixed", "cluster.transport.kind=direct", "train.seq_length=8192",
-              "train.micro_batch_size=1", "train.global_batch_size=32", "planner.recompute=false",
+              "train.micro_batch_size=1", "train.global_batch_size=32", "planner.recompute=none",
               "planner.tp=1", "planner.dp=1", "planner.profile=docs/h200_profile.json"]
     for model, layers in (("llama8b", [17, 15]), ("qwen2_7b", [15, 13])):
         out = tmp_path / model

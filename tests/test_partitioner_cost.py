@@ -10,12 +10,16 @@ from hetpipe.partitioner.cost import (GIB, NetworkConfig, Precision, StageShape,
 
 
 def test_catalog_has_the_issue_devices_and_takes_overrides():
-    for name in ("H100", "H200", "A100", "MI250X", "MI300X", "MI325X", "CPU"):
+    for name in ("H100", "H200", "A100", "A100-40GB", "MI250X", "MI300X", "MI325X", "CPU"):
         spec = device_spec(name.lower())
         assert spec.peak_bf16_tflops > 0 and spec.memory_gib > 0 and spec.intra_node_link_gbs > 0
     assert device_spec("MI325X").vendor == "amd" and device_spec("H200").vendor == "nvidia"
     assert detect_device_type("AMD Instinct MI325X") == "MI325X"
     assert detect_device_type("NVIDIA H200") == "H200"
+    # One torch device each: an A100's memory size, an MI250X's GCD (64 GB).
+    assert detect_device_type("NVIDIA A100-SXM4-40GB") == "A100-40GB"
+    assert detect_device_type("NVIDIA A100-SXM4-80GB") == "A100"
+    assert detect_device_type("AMD Instinct MI250X") == "MI250X" and device_spec("MI250X").memory_gib == 64
 
     catalog = catalog_with({"h200": {"efficiency": 0.7},
                             "B200": {"vendor": "nvidia", "peak_bf16_tflops": 2250.0, "memory_gib": 180.0,
@@ -42,18 +46,24 @@ def test_unit_flops_and_params_add_up_to_the_model(name):
 def test_llama8b_head_weighs_about_two_layers_and_tp_divides_work():
     model = model_preset("llama8b")
     h200 = CATALOG["H200"]
-    uc = unit_costs(model, h200, StageShape(1, 1, 8192, False), Precision.for_device(h200), NetworkConfig())
+    uc = unit_costs(model, h200, StageShape(1, 1, 8192), Precision.for_device(h200), NetworkConfig())
     assert 1.5 < uc.time_s[-1] / uc.time_s[1] < 2.5
-    tp4 = unit_costs(model, h200, StageShape(4, 1, 8192, False), Precision.for_device(h200), NetworkConfig())
+    tp4 = unit_costs(model, h200, StageShape(4, 1, 8192), Precision.for_device(h200), NetworkConfig())
     assert tp4.forward_s[1] == pytest.approx(uc.forward_s[1] / 4)
     assert tp4.tp_comm_s[1] > 0 and uc.tp_comm_s[1] == 0
     # The norms' tensors stay whole on every TP rank.
     assert uc.activation_bytes[1] / 4 < tp4.activation_bytes[1] < uc.activation_bytes[1] * 0.75
-    # Recompute keeps only the layer input and pays one more forward.
-    rc = unit_costs(model, h200, StageShape(1, 1, 8192, True), Precision.for_device(h200), NetworkConfig())
+    # Full recomputation keeps only the layer input and pays one more forward;
+    # the rebuilt activations exist while its backward runs.
+    rc = unit_costs(model, h200, StageShape(1, 1, 8192, "full"), Precision.for_device(h200), NetworkConfig())
     assert rc.activation_bytes[1] == 1 * 8192 * 4096 * 2  # its bf16 input
     assert rc.backward_s[1] == pytest.approx(uc.backward_s[1] + uc.forward_s[1])
-    assert rc.transient_bytes[1] >= uc.activation_bytes[1]
+    assert rc.transient_bytes[1] == pytest.approx(uc.transient_bytes[1] + uc.activation_bytes[1])
+    # Selective drops SDPA's log-sum-exp and reruns the attention core.
+    sel = unit_costs(model, h200, StageShape(1, 1, 8192, "selective"), Precision.for_device(h200), NetworkConfig())
+    assert sel.activation_bytes[1] == uc.activation_bytes[1] - 4 * 8192 * 32
+    assert uc.backward_s[1] < sel.backward_s[1] < uc.backward_s[1] + 0.3 * uc.forward_s[1]
+    assert list(sel.activation_bytes[[0, -1]]) == list(uc.activation_bytes[[0, -1]])  # layers only
 
 
 def test_memory_and_link_arithmetic():
@@ -80,7 +90,7 @@ def test_precision_follows_the_trainer():
     assert Precision.for_device(CATALOG["H200"], "fp32").name == "fp32"
     model = model_preset("llama8b")
     h200 = CATALOG["H200"]
-    shape = StageShape(1, 1, 4096, False)
+    shape = StageShape(1, 1, 4096)
     bf16 = unit_costs(model, h200, shape, Precision.for_device(h200), NetworkConfig())
     autocast = unit_costs(model, h200, shape, Precision.for_device(h200, "bf16-autocast"), NetworkConfig())
     fp32 = unit_costs(model, h200, shape, Precision(4), NetworkConfig())
@@ -101,7 +111,27 @@ def test_bf16_pure_keeps_eight_bytes_per_parameter_and_plans_with_them():
     # ZeRO-1 over DP4 of bf16 parameters: fp32 main shards and moments.
     assert pure.static_bytes_per_param(4, True) == 2 + 2 + 12 / 4
     # Same compute, so the same activations and boundary messages.
-    shape = StageShape(1, 1, 4096, False)
+    shape = StageShape(1, 1, 4096)
     a = unit_costs(model_preset("llama8b"), h200, shape, bf16, NetworkConfig())
     b = unit_costs(model_preset("llama8b"), h200, shape, pure, NetworkConfig())
     assert list(a.activation_bytes) == list(b.activation_bytes) and a.boundary_bytes == b.boundary_bytes
+
+
+def test_a_profile_prices_each_recompute_mode_it_measured():
+    model, cpu = model_preset("tiny_llama"), CATALOG["CPU"]
+
+    def unit(forward_s, backward_s, kept):
+        return {"forward_s": forward_s, "backward_s": backward_s, "activation_bytes": kept, "peak_bytes": None}
+    entry = {"micro_batch_size": 1, "units": {"embedding": unit(0.001, 0.002, 10), "layer": unit(0.01, 0.02, 1000),
+                                               "head": unit(0.005, 0.01, 500)},
+             "recompute": {"full": unit(0.01, 0.031, 100)}}
+
+    def costs(mode):
+        return unit_costs(model, cpu, StageShape(1, 2, 64, mode), Precision(4), NetworkConfig(), profile=entry)
+    none, full, selective = costs("none"), costs("full"), costs("selective")
+    # Measured (at microbatch 1, scaled to 2): the layer's own figures in that mode.
+    assert full.backward_s[1] == pytest.approx(0.062) and full.activation_bytes[1] == pytest.approx(200)
+    assert full.backward_s[-1] == none.backward_s[-1]  # the head does not recompute
+    # Not measured: the measured layer plus the analytic difference.
+    assert selective.activation_bytes[1] == none.activation_bytes[1] - 4 * 2 * 64 * model.num_attention_heads
+    assert selective.backward_s[1] > none.backward_s[1] == pytest.approx(0.04)

@@ -9,8 +9,8 @@ from hetpipe.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner import solver
-from hetpipe.partitioner.catalog import device_spec
-from hetpipe.partitioner.cost import GIB, NetworkConfig, Precision, StageShape, static_bytes_per_param, unit_costs
+from hetpipe.partitioner.catalog import catalog_with, device_spec
+from hetpipe.partitioner.cost import GIB, NetworkConfig, Precision, StageShape, unit_costs
 from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.planner_config import PlannerConfig
@@ -34,8 +34,8 @@ def exhaustive(model, cluster, train, planner):
     for block in solver._enumerate(ctx, None):
         for row in range(len(block.stages)):
             cand = block.candidate(row)
-            time, sync, feasible, _, _, links = ctx.problem(cand)
-            split = best_split(time, sync, feasible, cand.num_microbatches, links)
+            prob = ctx.problem(cand)
+            split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links)
             if split is None:
                 continue
             assert block.lower_bounds[row] <= split.step_s * (1 + 1e-12)  # the bound is a bound
@@ -72,20 +72,29 @@ def test_search_equals_exhaustive_enumeration_on_random_clusters():
 
 
 def _stage_memory_bytes(solution, planner, train):
-    """Each stage's memory per device, recomputed from the cost model's per-unit numbers."""
+    """Each stage's memory per device, recomputed from the cost model's per-unit
+    numbers (the stage's first recompute_num_layers layers recomputing)."""
     cand, P = solution.candidate, len(solution.stages)
     out = []
     for k, st in enumerate(solution.stages):
         g = [grp.name for grp in solution.cluster.groups].index(st.group)
-        spec = device_spec(solution.cluster.groups[g].device_type)
-        uc = unit_costs(solution.model, spec, StageShape(st.tp, cand.micro_batch_size, train.seq_length,
-                                                         cand.recompute),
-                        Precision.for_device(spec), planner.network)
+        spec = device_spec(solution.cluster.groups[g].device_type, catalog_with(planner.catalog))
+        prec = Precision.for_device(spec)
+
+        def costs(mode):
+            shape = StageShape(st.tp, cand.micro_batch_size, train.seq_length, mode)
+            return unit_costs(solution.model, spec, shape, prec, planner.network)
+        uc, rc = costs("none"), costs(st.recompute)
         i, j = st.units
-        static = uc.params[i:j].sum() * static_bytes_per_param(st.dp, planner.distributed_optimizer) \
+        first = i + (i == 0)
+        covered = st.layers if st.recompute_num_layers is None else st.recompute_num_layers
+        act, transient = uc.activation_bytes.copy(), uc.transient_bytes.copy()
+        act[first:first + covered] = rc.activation_bytes[first:first + covered]
+        transient[first:first + covered] = rc.transient_bytes[first:first + covered]
+        static = uc.params[i:j].sum() * prec.static_bytes_per_param(st.dp, planner.distributed_optimizer) \
             + 4 * uc.boundary_bytes
         inflight = min(P - k, cand.num_microbatches)
-        out.append((static + inflight * uc.activation_bytes[i:j].sum() + uc.transient_bytes[i:j].max(),
+        out.append((static + inflight * act[i:j].sum() + transient[i:j].max(),
                     spec.memory_gib * GIB * planner.memory_headroom))
     return out
 
@@ -93,7 +102,7 @@ def _stage_memory_bytes(solution, planner, train):
 def test_returned_plan_fits_memory_and_memory_moves_the_split():
     model = model_preset("llama8b")
     train = TrainConfig(micro_batch_size=1, global_batch_size=64, seq_length=8192)
-    fixed = dict(tp=1, dp=8, stages=[1, 1], group_order=["nvidia", "amd"], recompute=False)
+    fixed = dict(tp=1, dp=8, stages=[1, 1], group_order=["nvidia", "amd"], recompute="none")
     roomy = solve(model, paper_cluster(), train, PlannerConfig(**fixed))
     for need, have in _stage_memory_bytes(roomy, PlannerConfig(**fixed), train):
         assert need <= have
@@ -132,16 +141,17 @@ def test_pipeline_order_is_chosen_and_noted():
     model = model_preset("llama8b")
     train = TrainConfig(micro_batch_size=1, global_batch_size=128, seq_length=4096)
     # With an 88 GiB H200 the first stage (two microbatches in flight) belongs on
-    # the roomy MI325X: NVIDIA first would have to give away layers.
+    # the roomy MI325X: NVIDIA first would have to give away layers (or recompute).
     small_h200 = {"H200": {"memory_gib": 88.0}}
-    solution = solve(model, paper_cluster(), train, PlannerConfig(tp=1, dp=8, stages=[1, 1], catalog=small_h200))
+    solution = solve(model, paper_cluster(), train, PlannerConfig(tp=1, dp=8, stages=[1, 1], catalog=small_h200,
+                                                                 recompute="none"))
     plan = solution.to_plan()
     assert solution.group_order == ["amd", "nvidia"] == plan.notes["group_order"]
     assert "reordered" in plan.notes
     assert plan.stages[0].group == "amd" and plan.stages[0].ranks == list(range(8, 16))
     assert plan.stages[1].ranks == list(range(8))
     fixed = solve(model, paper_cluster(), train, PlannerConfig(tp=1, dp=8, stages=[1, 1], catalog=small_h200,
-                                                              group_order=["nvidia", "amd"]))
+                                                              group_order=["nvidia", "amd"], recompute="none"))
     assert fixed.group_order == ["nvidia", "amd"] and "reordered" not in fixed.to_plan().notes
     assert fixed.stages[0].layers < solution.stages[1].layers and fixed.step_s > solution.step_s
 

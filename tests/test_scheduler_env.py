@@ -246,7 +246,9 @@ def test_multi_node_needs_a_token_but_one_machine_does_not():
 def test_cli_prints_exports_that_a_shell_evals():
     env = _clean_env(**_slurm_task("mi325x-a02"), HETPIPE_JOB_TOKEN="x", PYTHON=sys.executable)
     script = ('eval "$("$PYTHON" -m hetpipe.scheduler_env -- +model=llama8b cluster=h200_mi325x_2node '
-              'cluster.groups.0.nodes=2 cluster.groups.1.nodes=3 cluster.groups.1.ranks_per_node=4)"; '
+              'cluster.groups.0.nodes=2 cluster.groups.1.nodes=3 cluster.groups.1.ranks_per_node=4 '
+              # this host has none of the shipped config's subnets; lo stands in
+              'cluster.transport.subnets=null cluster.transport.interfaces=[lo])"; '
               'echo "$HETPIPE_NODE_RANK $HETPIPE_FIRST_RANK $HETPIPE_GROUP $HETPIPE_RDZV_ENDPOINT"')
     proc = subprocess.run(["bash", "-c", script], env=env, cwd=REPO, text=True, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -310,7 +312,7 @@ def test_two_nodes_on_this_machine_train_like_one(tmp_path):
     """Node 1 starts first, so torchrun's c10d rendezvous (which orders nodes
     by host and pid) makes it its rank 0; the launcher still runs hetpipe's
     rank 0 - the nvidia group, which writes the metrics - on node 0."""
-    out0, out1 = _two_nodes(tmp_path)
+    out0, out1 = _two_nodes(tmp_path, HETPIPE_DOCTOR="0")
     assert "node 0 of 2 (env): group nvidia (nvidia), ranks 0-0" in out0
     assert "node 1 of 2 (env): group amd (amd), ranks 1-1" in out1
     assert (tmp_path / "node0" / "metrics.jsonl").is_file()

@@ -13,6 +13,7 @@ from hetpipe.schedules import (
     Action,
     ScheduleError,
     build_schedule,
+    forward_only,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
@@ -205,3 +206,36 @@ def test_build_schedule_dispatches(name):
 def test_build_schedule_rejects_bad_parameters(args, needle):
     with pytest.raises(ConfigError, match=needle):
         build_schedule(*args)
+
+
+@pytest.mark.parametrize("P", range(1, 5))
+@pytest.mark.parametrize("M", (1, 2, 3, 4, 8))
+@pytest.mark.parametrize("C", (1, 2))
+def test_forward_only_runs_every_forward_once_and_keeps_nothing(P, M, C):
+    if C > 1 and M % P:
+        with pytest.raises(ConfigError, match=f"num_microbatches \\({M}\\)"):
+            forward_only(P, M, C)
+        return
+    schedules = forward_only(P, M, C)
+    result = simulate(schedules, num_chunks=C, forward_only=True)
+    assert all(a.kind in ("recv_fwd", "fwd", "send_fwd") for actions in schedules for a in actions)
+    counts = Counter((a.microbatch, a.chunk * P + rank) for rank, actions in enumerate(schedules)
+                     for a in actions if a.kind == "fwd")
+    assert set(counts) == {(mb, v) for mb in range(M) for v in range(P * C)} and set(counts.values()) == {1}
+    receives_precede_their_consumer(schedules)
+    # No graph waits for a backward: one unit's activations at a time.
+    assert result.max_live_activations == [1] * P
+    # The forwards keep the training schedule's order, so messages match FIFO.
+    training = build_schedule("interleaved_1f1b" if C > 1 else "1f1b", P, M, C)
+    for fwd_only, train in zip(schedules, training):
+        assert [a for a in fwd_only if a.kind == "fwd"] == [a for a in train if a.kind == "fwd"]
+
+
+def test_forward_only_rejects_backwards_and_missing_forwards():
+    with pytest.raises(ScheduleError, match="B0 in a forward-only schedule"):
+        simulate(one_f_one_b(1, 1), forward_only=True)
+    schedules = forward_only(2, 2)
+    schedules[1] = schedules[1][:-2]  # rank 1 never receives nor forwards microbatch 1
+    with pytest.raises(ScheduleError, match="rank 0 sent F1 from virtual stage 0 to rank 1, which never"):
+        simulate(schedules, forward_only=True)
+

@@ -1,9 +1,10 @@
 """What the trainer asks for each step: this rank's (tokens, labels) micro-batches.
 
-It ties the pieces together (indexed data → packed samples → global order)
-and owns the checks that catch a wrong data/tokenizer/model pairing before it
-becomes a silent out-of-bounds embedding lookup on a GPU. It deliberately
-knows nothing about models: the trainer passes in the model's vocab size.
+It ties the pieces together (``data.path``'s sources → their train, valid
+or test documents → packed samples → global order) and owns the checks that
+catch a wrong data/tokenizer/model pairing before it becomes a silent
+out-of-bounds embedding lookup on a GPU. It deliberately knows nothing about
+models: the trainer passes in the model's vocab size.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from hetpipe.data.demo import demo_corpus
 from hetpipe.data.indexed import IndexedDataset
 from hetpipe.data.packed import PackedSequenceDataset
 from hetpipe.data.sampler import GlobalBatchSampler
+from hetpipe.data.sources import BlendedSamples, parse_data_path
+from hetpipe.data.split import parse_split, split_documents
 from hetpipe.data.tokenizer import load_tokenizer
 from hetpipe.errors import DataError
 
@@ -24,13 +27,16 @@ from hetpipe.errors import DataError
 class MicrobatchLoader:
     """Serves int64 ``[micro_batch_size, seq_length]`` (tokens, labels) pairs for one DP rank.
 
-    ``prefix_or_demo`` is a Megatron data prefix, or ``"demo"`` for the
-    standard-library corpus built with ``tokenizer_spec``.
+    ``data_path`` is a Megatron data prefix, ``"demo"`` for the
+    standard-library corpus built with ``tokenizer_spec``, or a weighted blend
+    ``"w1 prefix1 w2 prefix2 ..."`` (see :mod:`hetpipe.data.sources`).
+    ``split`` (``"969,30,1"``) restricts every source to the documents of
+    ``part``; None reads all of them.
     """
 
     def __init__(
         self,
-        prefix_or_demo: str,
+        data_path: str,
         tokenizer_spec: str,
         seq_length: int,
         global_batch_size: int,
@@ -39,6 +45,8 @@ class MicrobatchLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 1234,
+        split: str | None = None,
+        part: str = "train",
     ) -> None:
         tokenizer = load_tokenizer(tokenizer_spec)
         if tokenizer.vocab_size > vocab_size:
@@ -46,18 +54,32 @@ class MicrobatchLoader:
                 f"tokenizer {tokenizer_spec} has {tokenizer.vocab_size} tokens but the "
                 f"model's vocab_size is {vocab_size}"
             )
-        self.data_path = demo_corpus(tokenizer_spec) if prefix_or_demo == "demo" else prefix_or_demo
+        sources = parse_data_path(data_path)
+        fractions = parse_split(split) if split is not None else None
+        packed = []
+        for source in sources:
+            data = IndexedDataset(demo_corpus(tokenizer_spec) if source.prefix == "demo" else source.prefix)
+            documents = None
+            if fractions is not None:
+                documents = split_documents(data.num_documents, fractions, part)
+                if documents[0] == documents[1]:
+                    raise DataError(f"data.split={split!r} leaves the {part} part of {data.prefix} no documents "
+                                    f"(it has {data.num_documents})")
+            packed.append(PackedSequenceDataset(data, seq_length, documents))
+        self.data_path = packed[0].dataset.prefix if len(packed) == 1 else data_path
         self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
-        self.samples = PackedSequenceDataset(IndexedDataset(self.data_path), seq_length)
+        self.samples = BlendedSamples(packed)
+        blended = len(packed) > 1
         self.sampler = GlobalBatchSampler(
-            self.samples.num_samples,
+            self.samples.sizes if blended else self.samples.num_samples,
             global_batch_size,
             micro_batch_size,
             dp_rank=dp_rank,
             dp_size=dp_size,
             seed=seed,
+            weights=[s.weight for s in sources] if blended else None,
         )
 
     @property
@@ -91,12 +113,16 @@ class MicrobatchLoader:
             row = samples[bad_rows[0]]
             bad = int(row.max()) if row.max() >= self.vocab_size else int(row.min())
             raise DataError(
-                f"data {self.data_path} sample {int(indices[bad_rows[0]])} holds token id {bad}, "
+                f"data {self.samples.describe(int(indices[bad_rows[0]]))} holds token id {bad}, "
                 f"outside the model's vocab_size {self.vocab_size} "
                 "(tokenized with a different tokenizer?)"
             )
 
-    def state_dict(self) -> dict[str, int]:
+    def restart(self) -> None:
+        """Serve the first batches again (each validation run reads the same ones)."""
+        self.sampler.restart()
+
+    def state_dict(self) -> dict[str, Any]:
         """JSON-able loader state (the sampler's)."""
         return self.sampler.state_dict()
 

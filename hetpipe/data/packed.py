@@ -15,31 +15,39 @@ from hetpipe.errors import ConfigError, DataError
 
 
 class PackedSequenceDataset:
-    """Sample ``i`` is stream tokens ``[i*seq_length, i*seq_length + seq_length + 1)``."""
+    """Sample ``i`` is stream tokens ``[i*seq_length, i*seq_length + seq_length + 1)``
+    of the chosen documents' stream."""
 
-    def __init__(self, dataset: IndexedDataset, seq_length: int) -> None:
+    def __init__(self, dataset: IndexedDataset, seq_length: int,
+                 documents: tuple[int, int] | None = None) -> None:
         if seq_length < 1:
             raise ConfigError(f"seq_length must be at least 1, got {seq_length}")
         self.dataset = dataset
         self.seq_length = seq_length
-        # Documents are contiguous, ordered ranges of sequences, so the stream
-        # in document order is simply the sequences in index order.
-        lengths = dataset.sequence_lengths.astype(np.int64)
-        self._ends = np.cumsum(lengths)  # stream offset just past each sequence
+        # ``documents`` is a [first, last) range (a train/valid/test split);
+        # None streams them all. Documents are contiguous, ordered ranges of
+        # sequences, so the stream in document order is simply the sequences
+        # in index order.
+        first_doc, last_doc = documents if documents is not None else (0, dataset.num_documents)
+        self._first = int(dataset.document_indices[first_doc])
+        self._lengths = dataset.sequence_lengths[
+            self._first : int(dataset.document_indices[last_doc])].astype(np.int64)
+        self._ends = np.cumsum(self._lengths)  # stream offset just past each sequence
         total = int(self._ends[-1]) if len(self._ends) else 0
         self.num_tokens = total
         self.num_samples = (total - 1) // seq_length if total else 0
         if self.num_samples < 1:
+            where = f" documents [{first_doc}, {last_doc})" if documents is not None else ""
             raise DataError(
-                f"data {dataset.prefix} has {total} tokens, fewer than "
+                f"data {dataset.prefix}{where} has {total} tokens, fewer than "
                 f"seq_length+1 = {seq_length + 1}"
             )
         # Megatron does not promise that sequences sit back to back in the
         # .bin, so follow the pointers in general; when they do (always, for
         # data written by a preprocessor) a sample is a single slice, however
         # many short documents it spans.
-        starts = self._ends - lengths
-        pointers = dataset.sequence_pointers
+        starts = self._ends - self._lengths
+        pointers = dataset.sequence_pointers[self._first : self._first + len(self._lengths)]
         self._contiguous_base: int | None = None
         if np.array_equal(pointers - pointers[0], starts * dataset.dtype.itemsize):
             self._contiguous_base = int(pointers[0])
@@ -62,9 +70,9 @@ class PackedSequenceDataset:
         last = int(np.searchsorted(self._ends, start + count - 1, side="right"))
         filled = 0
         for seq in range(first, last + 1):
-            seq_start = int(self._ends[seq]) - int(data.sequence_lengths[seq])
+            seq_start = int(self._ends[seq]) - int(self._lengths[seq])
             begin = max(start, seq_start) - seq_start
             take = min(int(self._ends[seq]), start + count) - seq_start - begin
-            out[filled : filled + take] = data.get(seq, begin, take)
+            out[filled : filled + take] = data.get(self._first + seq, begin, take)
             filled += take
         return out

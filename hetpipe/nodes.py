@@ -1,0 +1,132 @@
+"""Which node each rank runs on, and the start-up roll call that names a node that never came.
+
+An error about a lost peer helps only if it says which machine to look at -
+"node 1 (amd, 10.201.0.2)", not "rank 2". Ranks are numbered group by group
+and node by node in the cluster config's order (launch_cluster.sh sets RANK
+from it, see :mod:`hetpipe.scheduler_env`), so a rank's node follows from the
+config; its addresses are what it says at the roll call.
+
+The roll call is the first thing every rank does with the job's store, before
+the gloo world group: each rank publishes its NIC addresses and which network
+stack it runs in, then waits for all the others within the transport
+deadline. A rank that never arrives is named by its node then; gloo's own
+rendezvous would wait 30 minutes and name a store key. The network stacks
+also tell whether the job really spans hosts: two torchrun "nodes" on one
+machine share a loopback, two machines do not.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from hetpipe.cluster import ClusterConfig
+from hetpipe.errors import EXIT_LOST_PEER, HetpipeError
+from hetpipe.scheduler_env import node_layout
+
+# How often the roll call looks for a failure another rank posted meanwhile.
+_POLL_S = 0.5
+
+
+class NodeMissing(HetpipeError):
+    """Ranks of the job did not reach the roll call within the deadline."""
+
+
+def network_identity() -> str:
+    """Equal for two processes exactly when they share one network stack (and so one loopback)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return "unknown"
+    return hashlib.sha256(f"{boot}/{netns}".encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """Every rank's node, each node's group, and the addresses ranks published."""
+
+    node_of: tuple[int, ...]  # global rank -> node index
+    groups: tuple[str, ...]  # node index -> its vendor group's name
+    addresses: dict[int, tuple[str, ...]]  # rank -> its channel NIC addresses (ranks that arrived)
+    # More than one network stack among the ranks: loopback cannot join them.
+    multi_host: bool = False
+
+    @classmethod
+    def layout(cls, cluster: ClusterConfig, multi_node: bool) -> NodeMap:
+        """Nodes as the launcher numbers them; a job on one node is node 0 throughout."""
+        if not multi_node:
+            return cls((0,) * cluster.world_size, ("+".join(g.name for g in cluster.groups),), {})
+        node_of: list[int] = []
+        groups: list[str] = []
+        for k, slot in enumerate(node_layout(cluster)):
+            node_of += [k] * slot.group.ranks_per_node
+            groups.append(slot.group.name)
+        return cls(tuple(node_of), tuple(groups), {})
+
+    def label(self, node: int) -> str:
+        """``node 1 (amd, 10.201.0.2)``: its group and its first rank's first address, once known."""
+        first = next((self.addresses[r][0] for r in self.ranks_on(node) if self.addresses.get(r)), None)
+        return f"node {node} ({self.groups[node]}{', ' + first if first else ''})"
+
+    def label_of(self, rank: int) -> str:
+        return self.label(self.node_of[rank])
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [r for r, k in enumerate(self.node_of) if k == node]
+
+    def node_at(self, address: str) -> Optional[int]:
+        """The node one of whose ranks published ``address``."""
+        return next((self.node_of[r] for r, addrs in self.addresses.items() if address in addrs), None)
+
+
+def _key(rank: int) -> str:
+    return f"hetpipe/roll_call/{rank}"
+
+
+def roll_call(store: dist.Store, rank: int, layout: NodeMap, addresses: Sequence[str], deadline: float,
+              posted: Callable[[], Optional[tuple[str, int]]]) -> NodeMap:
+    """Publish this rank's ``addresses`` and wait up to ``deadline`` s for every rank of ``layout``.
+
+    Returns ``layout`` with every rank's addresses. Ranks still missing at the
+    deadline are a :class:`NodeMissing` naming their nodes; a failure another
+    rank reported meanwhile (``posted``) ends the wait with that reason.
+    """
+    store.set(_key(rank), json.dumps({"addresses": list(addresses), "network": network_identity()}))
+    world = len(layout.node_of)
+    keys = [_key(r) for r in range(world)]
+    until = time.monotonic() + deadline
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=max(min(_POLL_S, until - time.monotonic()), 0.001)))
+            break
+        except RuntimeError:  # torch's DistStoreError on timeout
+            verdict = posted()  # (reason, exit status) another rank posted
+            if verdict is not None:
+                reason, code = verdict
+                raise (NodeMissing(reason) if code == EXIT_LOST_PEER else HetpipeError(reason)) from None
+            if time.monotonic() >= until:
+                raise NodeMissing(_missing(store, layout, deadline)) from None
+    facts = {r: json.loads(store.get(_key(r)).decode()) for r in range(world)}
+    return NodeMap(layout.node_of, layout.groups, {r: tuple(f["addresses"]) for r, f in facts.items()},
+                   multi_host=len({f["network"] for f in facts.values()}) > 1)
+
+
+def _missing(store: dist.Store, layout: NodeMap, deadline: float) -> str:
+    absent = [r for r in range(len(layout.node_of)) if not store.check([_key(r)])]
+    known = NodeMap(layout.node_of, layout.groups, {})
+    parts = []
+    for node in sorted({layout.node_of[r] for r in absent}):
+        ranks = [r for r in absent if layout.node_of[r] == node]
+        every = ranks == layout.ranks_on(node)
+        parts.append(f"{known.label(node)}{'' if every else ' ranks ' + ', '.join(map(str, ranks))} "
+                     f"did not arrive")
+    return (f"{'; '.join(parts)} within {deadline:g} s (cluster.transport.deadline_s): its ranks never reached "
+            "the world group - see that node's own output, or whether its launcher started at all")

@@ -1,0 +1,147 @@
+"""Run logging: TensorBoard scalars, validation rows, wandb settings.
+
+metrics.jsonl is the record (compare and resume read it); TensorBoard and
+wandb must mirror exactly its values, and a validation row must reach every
+sink without changing the training rows that readers select by ``loss``.
+"""
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import run_cli, run_pretrain
+from hetpipe.metrics import MetricsLogger, read_metrics
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+TINY_RUN = ["+model=tiny_llama", "data=demo", "train.train_iters=3", "train.seq_length=32",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "logging.progress=false"]
+
+
+def _scalars(run_dir):
+    """{tag: [(step, value)]} of a run's TensorBoard events."""
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _f32(x):
+    return float(torch.tensor(x, dtype=torch.float32))  # TensorBoard stores scalars as float32
+
+
+def _logger(run_dir, **kwargs):
+    return MetricsLogger(run_dir, total_steps=4, tokens_per_step=64, flops_per_step=1e6, num_devices=1,
+                         peak_tflops=None, log_interval=2, progress=False, **kwargs)
+
+
+@pytest.mark.timeout(240)
+def test_tensorboard_scalars_equal_metrics_jsonl_of_a_real_run(tmp_path):
+    run_dir = tmp_path / "run"
+    _, rows = run_pretrain(run_dir, [*TINY_RUN, "logging.tensorboard=true"])
+    scalars = _scalars(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        assert scalars[f"train/{key}"] == [(r["step"], _f32(r[key])) for r in rows], key
+    # MFU is empty on a CPU (no known peak): no scalar rather than a fake 0.
+    assert "train/mfu" not in scalars and all(r["mfu"] is None for r in rows)
+
+
+@pytest.mark.timeout(60)
+def test_validation_rows_reach_every_sink_and_compare(tmp_path, capsys):
+    run_dir = tmp_path / "a"
+    log = _logger(run_dir, tensorboard=True)
+    for step, loss in enumerate([5.25, 4.5, 4.125, 3.0625], 1):
+        log.record(step, torch.tensor(loss), torch.tensor(1.0), 1e-3, 8 * step)
+        if step in (2, 3):  # 2 ends a log interval, 3 is mid-interval
+            log.record_validation(step, loss + 0.5, math.exp(loss + 0.5))
+    log.close()
+    rows = read_metrics(run_dir)
+    # The training rows up to a validation step are written before its row,
+    # so the file stays in step order; validation rows carry no "loss".
+    assert [(r["step"], "loss" in r) for r in rows] == [(1, True), (2, True), (2, False), (3, True), (3, False),
+                                                        (4, True)]
+    assert rows[2] == {"step": 2, "val_loss": 5.0, "val_ppl": math.exp(5.0)}
+    out = capsys.readouterr().out
+    assert f"validation at step 3: loss 4.6250 | ppl {math.exp(4.625):.3f}" in out.splitlines()
+    scalars = _scalars(run_dir)
+    assert scalars["val/loss"] == [(2, 5.0), (3, 4.625)]
+    assert scalars["val/ppl"] == [(2, _f32(math.exp(5.0))), (3, _f32(math.exp(4.625)))]
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+
+    # compare reads the validation curve next to the training curve.
+    other = tmp_path / "b"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text().replace('"val_loss": 4.625',
+                                                                                         '"val_loss": 4.75'))
+    proc = run_cli(["-m", "hetpipe.compare", str(run_dir), str(other), "--rtol", "0.01"])
+    assert proc.returncode == 1, proc.stderr
+    # b's lines: its summary, its training comparison, its validation comparison.
+    _, training, validation = [line for line in proc.stdout.splitlines() if line.startswith("b ")]
+    assert training.endswith("PASS (bitwise identical)")
+    assert validation.split()[1:3] == ["2", "0"] and validation.endswith("FAIL")
+
+
+@pytest.mark.timeout(60)
+def test_resume_replaces_rows_and_events_past_the_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    log = _logger(run_dir, tensorboard=True)
+    for step in range(1, 5):
+        log.record(step, torch.tensor(float(step)), torch.tensor(1.0), 1e-3, 8 * step)
+        if step == 2:
+            log.record_validation(2, 10.0, math.exp(10.0))
+    log.close()
+    # Resumed from the step-2 checkpoint: steps 3 and 4 are trained again.
+    log = _logger(run_dir, tensorboard=True, start_step=2)
+    for step in (3, 4):
+        log.record(step, torch.tensor(step + 0.5), torch.tensor(1.0), 1e-3, 8 * step)
+    log.close()
+    assert [(r["step"], r.get("loss", r.get("val_loss"))) for r in read_metrics(run_dir)] == \
+        [(1, 1.0), (2, 2.0), (2, 10.0), (3, 3.5), (4, 4.5)]
+    scalars = _scalars(run_dir)
+    assert scalars["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5)]
+    assert scalars["val/loss"] == [(2, 10.0)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_wandb_gets_the_mode_and_the_same_values(tmp_path, monkeypatch, mode):
+    # A stand-in for the wandb package: nothing here may reach a network.
+    calls = []
+    run = types.SimpleNamespace(log=lambda values, step: calls.append((step, values)), finish=lambda: None)
+    init = {}
+    stub = types.SimpleNamespace(init=lambda **kwargs: init.update(kwargs) or run)
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    log = _logger(tmp_path / "run", wandb_project="p", wandb_mode=mode)
+    log.record(1, torch.tensor(5.0), torch.tensor(2.0), 1e-3, 8)
+    log.record(2, torch.tensor(4.0), torch.tensor(2.0), 1e-3, 16)
+    log.record_validation(2, 4.5, math.exp(4.5))
+    log.close()
+    assert init["mode"] == mode and init["project"] == "p" and init["dir"] == str(tmp_path / "run")
+    assert [(step, values["train/loss"]) for step, values in calls[:2]] == [(1, 5.0), (2, 4.0)]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(calls[0][1])
+    assert calls[2] == (2, {"val/loss": 4.5, "val/ppl": math.exp(4.5)})
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_wandb_mode_is_one_line_and_exit_2(tmp_path):
+    proc = run_cli(["-m", "hetpipe.pretrain", *TINY_RUN, "logging.wandb_mode=cloud",
+                    f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == "hetpipe: error: logging.wandb_mode='cloud' must be offline or online\n"
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_without_the_package_names_the_extra(tmp_path):
+    # Hides tensorboard even where it is installed (torch's writer imports it).
+    run_dir = tmp_path / "run"
+    argv = ["hetpipe.pretrain", *TINY_RUN, "logging.tensorboard=true", f"hydra.run.dir={run_dir}"]
+    code = (f"import runpy, sys; sys.modules['tensorboard'] = None; sys.argv = {argv!r}; "
+            "runpy.run_module('hetpipe.pretrain', run_name='__main__')")
+    proc = run_cli(["-c", code])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == ("hetpipe: error: logging.tensorboard=true needs the tensorboard package: "
+                           "pip install 'hetpipe[tensorboard]'\n")
+    assert not (run_dir / "metrics.jsonl").exists()
