@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from channel_harness import NAMES, Ranks, bits_equal, make
+from cluster_nodes import JOB, metrics, start_nodes, wait_all
 from conftest import run_pretrain
+from emulated_nodes import emulated_nodes, make_emulated_nodes, netns_available  # noqa: F401
 from hetpipe.comm.channel import ChannelError
 from hetpipe.comm.direct import DirectChannel
 from hetpipe.comm.factory import MoverFacts, choose_mover
@@ -309,3 +311,22 @@ def test_training_over_mooncake_gives_the_tcp_channels_losses_bit_for_bit(tmp_pa
         proc, rows = runs[mover]
         assert [row["loss"] for row in rows if "loss" in row] == losses  # float equality: bit for bit
         assert f"{boundary}direct channel, mover {mover}: {why}\n" in proc.stderr
+
+
+@needs_mooncake
+@pytest.mark.timeout(240)
+def test_mooncake_between_two_emulated_nodes_trains_like_one_process(tmp_path, emulated_nodes, corpus_prefix):
+    # Two network namespaces, each started with launch_cluster.sh: the boundary
+    # between the nvidia node and the amd node goes through Mooncake's TCP
+    # transport on each node's own address, as its RDMA transport would on a
+    # real cluster, and the losses are still bitwise one process's.
+    args = [*JOB, f"data.path={corpus_prefix}", "train.train_iters=3",
+            "cluster.transport.kind=direct", "cluster.transport.mover=mooncake-tcp"]
+    runs = start_nodes(emulated_nodes, args, tmp_path)
+    codes = wait_all(runs, timeout=180)
+    assert codes == [0, 0], "".join(f"\n--- node {r.rank}:\n{r.output()[-3000:]}" for r in runs)
+    assert "mooncake-tcp" in runs[0].output() + runs[1].output()
+    _, reference = run_pretrain(tmp_path / "single", [*args[:-2], "cluster=single",
+                                                      "cluster.groups.0.device_type=CPU"])
+    assert [(r["loss"], r["grad_norm"]) for r in metrics(tmp_path / "run0")] == \
+        [(r["loss"], r["grad_norm"]) for r in reference]
