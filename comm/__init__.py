@@ -7,8 +7,9 @@ Where things live:
 * ``factory`` - which channel each boundary rank gets, and every transport's
   constructor; ``stage_link`` - the engine's per-stage view over those channels;
 * transports: ``p2p`` (same vendor, torch P2P), ``tcp`` (CPU-forwarding,
-  striped), ``direct`` (CPU control plane + a mover: ``shm_mover``,
-  ``ipc_mover``; interface in ``mover``), ``gloo`` (reference);
+  striped; its links and the report naming a stalled one: ``tcp_links``),
+  ``direct`` (CPU control plane + a mover: ``shm_mover``, ``ipc_mover``;
+  interface in ``mover``), ``gloo`` (reference);
 * their shared parts: ``threaded`` (peers, threads, failure, close),
   ``rendezvous`` + ``handshake`` + ``sockets`` (authenticated connections),
   ``staging`` (GPU <-> pinned host copies).

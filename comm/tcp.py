@@ -38,16 +38,16 @@ state change), after half the deadline when it fails elsewhere on the path
 (a receive holds some pieces of a message and its other link has carried
 nothing since: :meth:`TcpChannel._watch_links`, measured at 9.6 s with a 15 s
 deadline in tests/test_node_faults.py), at the deadline when no piece gives
-it away (the wait times out naming the link the piece was due on). The job
-resumes from its last checkpoint.
+it away (the wait times out naming the link the piece was due on). Which link
+owes a piece, and the report that names it, live in
+:mod:`hetpipe.comm.tcp_links`. The job resumes from its last checkpoint.
 """
 from __future__ import annotations
 
-import queue
 import socket
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,12 +69,10 @@ from hetpipe.comm.handshake import check_token
 from hetpipe.comm.message_mac import TAG_SIZE, FrameMac
 from hetpipe.comm.rendezvous import connect_peers
 from hetpipe.comm.sockets import recv_exact
-from hetpipe.comm.nics import list_interfaces
 from hetpipe.comm.staging import HostStaging
+from hetpipe.comm.tcp_links import Link, LinkStalled, StallNamingHandle, link_of, split_pieces, stall_report
 from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
 
-# Below this, striping costs more syscalls than it saves.
-MIN_PIECE_BYTES = 256 * 1024
 # A receive that has some of its pieces but lacks the rest for half the
 # deadline, at most this long, has a stalled link (TcpChannel._watch_links).
 # Equal pieces queued at once on links of equal speed arrive within
@@ -83,31 +81,6 @@ _STALL_CAP_S = 60.0
 # Pieces up to this size go out in one send together with their header.
 _COALESCE_BYTES = 64 * 1024
 _DRAIN_CHUNK = 1 << 20
-
-
-def split_pieces(nbytes: int, nlinks: int) -> list[tuple[int, int]]:
-    """Contiguous (offset, length) pieces, one per connection, none under MIN_PIECE_BYTES unless alone."""
-    count = max(1, min(nlinks, nbytes // MIN_PIECE_BYTES))
-    base, extra = divmod(nbytes, count)
-    pieces, offset = [], 0
-    for j in range(count):
-        length = base + (1 if j < extra else 0)
-        pieces.append((offset, length))
-        offset += length
-    return pieces
-
-
-def link_of(seq: int, piece: int, nlinks: int) -> int:
-    """The connection that carries piece ``piece`` of message ``seq``."""
-    return (seq + piece) % nlinks
-
-
-class LinkStalled(ChannelTimeout):
-    """A transfer with global rank ``peer`` timed out while a piece it owes was due on a named link."""
-
-    def __init__(self, message: str, peer: int) -> None:
-        super().__init__(message)
-        self.peer = peer
 
 
 def _drain(sock: socket.socket, nbytes: int, mac: FrameMac | None) -> int:
@@ -154,47 +127,9 @@ class _RecvOp:
     handle: CompletionHandle = field(init=False)
 
 
-@dataclass(eq=False)
-class _Link:
-    """One TCP connection to a peer; piece j of every striped message uses link j."""
-
-    sock: socket.socket
-    index: int
-    mac: FrameMac | None = None  # set with message_mac: every frame carries tags (comm/message_mac.py)
-    queue: "queue.SimpleQueue[tuple[_SendOp, int, int] | None]" = field(default_factory=queue.SimpleQueue)
-    # When a piece last finished crossing this connection (either way), for stall reports.
-    last_activity: float = field(default_factory=time.monotonic)
-    local: str = field(init=False)
-    remote: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.local, self.remote = self.sock.getsockname()[0], self.sock.getpeername()[0]
-
-    def describe(self, interfaces: dict[str, str], incoming: bool) -> str:
-        """``eth2 10.202.0.2 <- 10.202.0.1`` (the arrow follows the data)."""
-        name = interfaces.get(self.local)
-        return f"{name + ' ' if name else ''}{self.local} {'<-' if incoming else '->'} {self.remote}"
-
-
-class _TcpHandle(CompletionHandle):
-    """A transfer's handle whose timeout names the link(s) a missing piece was due on."""
-
-    def __init__(self, *, stalled: Callable[[ChannelTimeout], ChannelTimeout], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._stalled = stalled
-
-    def wait(self, timeout: float | None = None) -> None:
-        try:
-            super().wait(timeout)
-        except ChannelTimeout as exc:
-            if self.done():  # the transfer failed with a timeout of its own
-                raise
-            raise self._stalled(exc) from None
-
-
 @dataclass(eq=False, kw_only=True)
 class _TcpPeer(PeerState):
-    links: list[_Link] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
     closed_links: int = 0
     recvs: dict[int, _RecvOp] = field(default_factory=dict)
     sends: set[_SendOp] = field(default_factory=set)
@@ -239,7 +174,7 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         for (peer, j), session in sorted(sockets.items()):
             session.sock.settimeout(None)
             mac = FrameMac(session.keys, own=self.name, peer=self.name_of(peer), connection=j) if message_mac else None
-            self._peers[peer].links.append(_Link(session.sock, j, mac))
+            self._peers[peer].links.append(Link(session.sock, j, mac))
         for state in self._peers.values():
             for link in state.links:
                 self._start_thread(state, "send", self._sender_loop, link, suffix=f"-{link.index}")
@@ -267,8 +202,8 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         pieces = split_pieces(header.nbytes, len(state.links))
         with state.cond:
             header = replace(header, seq=state.send_seq)
-            handle = _TcpHandle(owner=self.name, action=self.send_action(header, peer), deadline=self.deadline,
-                                stalled=lambda exc: self._stalled(state, op, exc))
+            handle = StallNamingHandle(owner=self.name, action=self.send_action(header, peer),
+                                       deadline=self.deadline, stalled=lambda exc: self._stalled(state, op, exc))
             if state.error is not None:
                 handle.set_failed(state.error)
                 return handle
@@ -297,10 +232,10 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         with state.cond:
             header = replace(header, seq=state.recv_seq)
             op = _RecvOp(header, view, tensor, staging, posted)
-            op.handle = _TcpHandle(owner=self.name, action=self.recv_action(header, peer),
-                                   deadline=self.deadline, stalled=lambda exc: self._stalled(state, op, exc),
-                                   finish=(lambda: HostStaging.join(op.dest, op.copied))
-                                   if staging is not None else None)
+            op.handle = StallNamingHandle(owner=self.name, action=self.recv_action(header, peer),
+                                          deadline=self.deadline, stalled=lambda exc: self._stalled(state, op, exc),
+                                          finish=(lambda: HostStaging.join(op.dest, op.copied))
+                                          if staging is not None else None)
             if state.error is not None:
                 op.handle.set_failed(state.error)
                 return op.handle
@@ -311,7 +246,7 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
 
     # ------------------------------------------------------------ I/O threads
 
-    def _sender_loop(self, peer: _TcpPeer, link: _Link) -> None:
+    def _sender_loop(self, peer: _TcpPeer, link: Link) -> None:
         while True:
             item = link.queue.get()
             if item is None:
@@ -357,7 +292,7 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                     self._staging.sent(op.staging)
                 op.handle.set_done()
 
-    def _receiver_loop(self, peer: _TcpPeer, link: _Link) -> None:
+    def _receiver_loop(self, peer: _TcpPeer, link: Link) -> None:
         # With message MACs the header's tag follows it, checked before the header is believed.
         head = bytearray(HEADER_SIZE + (TAG_SIZE if link.mac is not None else 0))
         try:
@@ -453,30 +388,11 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         return LinkStalled(f"{exc}: {report}", peer.rank) if report else exc
 
     def _stall_report(self, peer: _TcpPeer, op: _SendOp | _RecvOp) -> str | None:
-        """Which links owe ``op`` a piece and for how long they carried nothing -
-        when another link carried its piece of ``op`` or moved data since, so the
-        sender was sending and one link did not carry its share; else None."""
+        """:func:`~hetpipe.comm.tcp_links.stall_report` for ``op``: the links that owe it a piece, or None."""
         incoming = isinstance(op, _RecvOp)
-        header = op.expected if incoming else op.header
-        n = len(peer.links)
         with peer.cond:
             done = set(op.arrived if incoming else op.sent)
-        due = {link_of(header.seq, p, n) for p in range(len(split_pieces(header.nbytes, n)))}
-        owing = [peer.links[j] for j in sorted(due - done)]
-        if not owing:
-            return None
-        now = time.monotonic()
-        quiet = min(now - link.last_activity for link in owing)
-        moving = [link for link in peer.links if link not in owing and now - link.last_activity < quiet]
-        if not moving and not done:
-            return None  # nothing moved on any link: the peer stopped, not a link
-        names = {a: i.name for i in list_interfaces() for a in i.addresses}
-        stalled = ", ".join(link.describe(names, incoming) for link in owing)
-        alive = "; ".join([f"{peer.links[j].describe(names, incoming)} carried its piece" for j in sorted(done)]
-                          + [f"{link.describe(names, incoming)} moved data {now - link.last_activity:.1f} s ago"
-                             for link in moving if link.index not in done])
-        return (f"link {stalled} carried nothing for {quiet:.1f} s while its piece of message #{header.seq} "
-                f"was due ({alive})")
+        return stall_report(peer.links, op.expected if incoming else op.header, done, incoming=incoming)
 
     def _watch_links(self, peer: _TcpPeer) -> None:
         """Fail ``peer`` with :class:`LinkStalled` once a receive has had some of its

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
 from hetpipe.comm.nics import Nic, list_interfaces
-from hetpipe.comm.tcp import LinkStalled
+from hetpipe.comm.tcp_links import LinkStalled
 from hetpipe.comm.threaded import PeerLost
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, HetpipeError
 from hetpipe.nodes import NodeMap, NodeMissing

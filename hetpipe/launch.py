@@ -47,6 +47,7 @@ def _worker(fn: Callable[..., Any], args: tuple) -> Any:
     ``HETPIPE_STACK_DUMP_S=N`` makes every rank print all its threads' stacks
     after N seconds - the quickest way to see where a hung job waits.
     """
+    # Not at the top: job_watch imports torch, and main() must set TORCH_CPP_LOG_LEVEL before torch loads.
     from hetpipe.job_watch import stop_rank
 
     if os.environ.get("HETPIPE_STACK_DUMP_S"):

@@ -36,6 +36,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting
 from hetpipe.errors import ConfigError, HetpipeError, run_cli
 # The token-file rules live in job_secret (one implementation); read_token_file stays importable from here.
 from hetpipe.job_secret import find_job_secret, read_token_file  # noqa: F401
@@ -433,8 +434,6 @@ def local_address(cluster: ClusterConfig) -> str:
     store. A wildcard is refused here, before torchrun starts; loopback is
     left to the ranks, which know whether the nodes share one host.
     """
-    from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting
-
     addresses = [nic.address for nic in resolve_local_nics(cluster.transport)]
     check_dialable(addresses, False, selection_setting(cluster.transport))
     return addresses[0]

@@ -49,6 +49,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hetpipe.cluster import TransportConfig
+from hetpipe.comm.direct import DirectChannel
+from hetpipe.comm.gloo import GlooChannel
+from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting, socket_ifname
+from hetpipe.comm.p2p import TorchP2PChannel
+from hetpipe.comm.tcp import TcpChannel
+from hetpipe.errors import HetpipeError
+from hetpipe.job_secret import find_job_secret
+
 KIB, MIB = 1024, 1024 * 1024
 FULL_SIZES = [64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 QUICK_SIZES = [64 * KIB, MIB, 16 * MIB]
@@ -158,12 +167,6 @@ def worker(rank: int, port: int, opts: dict, results) -> None:
 
 
 def run_rank(rank: int, port: int, opts: dict) -> list[tuple[str, int, int, float]]:
-    # Imported here so `--help` stays fast and the parent never builds a channel.
-    from hetpipe.comm.direct import DirectChannel
-    from hetpipe.comm.gloo import GlooChannel
-    from hetpipe.comm.p2p import TorchP2PChannel
-    from hetpipe.comm.tcp import TcpChannel
-
     store = dist.TCPStore(opts["store_host"], port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
@@ -270,11 +273,6 @@ def print_table(setting: str, rows: list[tuple[str, int, int, float]]) -> None:
 
 def two_hosts(args: argparse.Namespace, opts: dict) -> int:
     """This host's half of a two-host run: its NICs, the store on rank 0, one rank's loop."""
-    from hetpipe.cluster import TransportConfig
-    from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting, socket_ifname
-    from hetpipe.errors import HetpipeError
-    from hetpipe.job_secret import find_job_secret
-
     host, _, port = args.store.rpartition(":")
     token = find_job_secret(os.environ)
     if token is None:

@@ -45,6 +45,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# mooncake itself is optional: mooncake_mover imports it only when a mover is built.
+from hetpipe.comm.direct import DirectChannel
+from hetpipe.comm.mooncake_mover import MooncakeMover, rdma_devices, unavailable_reason
+from hetpipe.comm.tcp import TcpChannel
+
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 TRANSPORTS = ("tcp", "ipc", "mooncake-tcp", "mooncake-rdma")
@@ -89,10 +94,6 @@ def content(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
 
 
 def build(kind: str, rank: int, store: dist.Store, token: str, device: torch.device, deadline: float):
-    from hetpipe.comm.direct import DirectChannel
-    from hetpipe.comm.mooncake_mover import MooncakeMover
-    from hetpipe.comm.tcp import TcpChannel
-
     prefixed = dist.PrefixStore(kind, store)
     if kind == "tcp":
         return TcpChannel(rank, [1 - rank], NAMES, prefixed, token, addresses=["127.0.0.1"], streams_per_address=1,
@@ -138,8 +139,6 @@ def measure(channel, rank: int, nbytes: int, device: torch.device, budget: int,
 
 
 def run_rank(rank: int, port: int, opts: dict) -> list[dict]:
-    from hetpipe.comm.mooncake_mover import rdma_devices, unavailable_reason
-
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     device = torch.device("cpu")
     if opts["device"] == "cuda":

@@ -29,7 +29,8 @@ from hetpipe.comm.channel import (
 )
 from hetpipe.comm.handshake import introduce
 from hetpipe.comm.rendezvous import lookup_endpoints
-from hetpipe.comm.tcp import MIN_PIECE_BYTES, TcpChannel, split_pieces
+from hetpipe.comm.tcp import TcpChannel
+from hetpipe.comm.tcp_links import MIN_PIECE_BYTES, split_pieces
 
 TOKEN = "job-3141-secret"
 LOOPBACKS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
