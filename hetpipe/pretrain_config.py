@@ -14,6 +14,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from hetpipe.checkpoint.settings import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
+from hetpipe.data.sources import parse_data_path
+from hetpipe.data.split import parse_split
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.models.model_config import ModelConfig, preset_names
 from hetpipe.models.layers import sdpa_preference
@@ -164,9 +166,6 @@ class DataConfig:
     valid_path: Optional[str] = None
 
     def __post_init__(self) -> None:
-        from hetpipe.data.sources import parse_data_path
-        from hetpipe.data.split import parse_split
-
         parse_data_path(self.path, "data.path")
         if self.split is not None:
             parse_split(self.split)
