@@ -32,6 +32,18 @@ class DataError(HetpipeError):
     """A data file or tokenizer is missing, malformed or inconsistent."""
 
 
+def config_error_from(exc: Exception, prefix: str = "") -> HetpipeError:
+    """The one error to show for ``exc``, raised while OmegaConf built config
+    objects: OmegaConf wraps what a ``__post_init__`` raised, so that
+    HetpipeError is dug out; anything else becomes its first line."""
+    if isinstance(exc, HetpipeError):
+        return exc
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, HetpipeError):
+        return cause
+    return ConfigError(prefix + str(exc).splitlines()[0])
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print ``hetpipe: error: <message>`` on stderr and exit with ``code``."""
     print(f"hetpipe: error: {message}", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ from hetpipe.checkpoint.settings import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
 from hetpipe.data.sources import parse_data_path
 from hetpipe.data.split import parse_split
-from hetpipe.errors import ConfigError, HetpipeError
+from hetpipe.errors import ConfigError, config_error_from
 from hetpipe.models.model_config import ModelConfig, preset_names
 from hetpipe.models.layers import sdpa_preference
 from hetpipe.models.recompute import check_recompute
@@ -286,10 +286,5 @@ def resolve(cfg: DictConfig | dict[str, Any], schema: type = PretrainConfig) -> 
         raise ConfigError(f"no model chosen: add +model=NAME (one of {', '.join(preset_names())})")
     try:
         return OmegaConf.to_object(cfg)
-    except HetpipeError:
-        raise
-    except Exception as exc:  # OmegaConf wraps errors raised in __post_init__
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, HetpipeError):
-            raise cause from None
-        raise ConfigError(str(exc).splitlines()[0]) from None
+    except Exception as exc:  # noqa: BLE001 - OmegaConf wraps errors raised in __post_init__
+        raise config_error_from(exc) from None

@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting
-from hetpipe.errors import ConfigError, HetpipeError, run_cli
+from hetpipe.errors import ConfigError, config_error_from, run_cli
 # The token-file rules live in job_secret (one implementation); read_token_file stays importable from here.
 from hetpipe.job_secret import find_job_secret, read_token_file  # noqa: F401
 
@@ -415,13 +415,8 @@ def load_cluster(name: str, updates: Sequence[tuple[str, str]] = ()) -> ClusterC
         for key, value in updates:
             OmegaConf.update(cfg, key, yaml.safe_load(value), merge=True)
         cluster: Any = OmegaConf.to_object(cfg)
-    except HetpipeError:
-        raise
-    except Exception as exc:  # OmegaConf wraps errors raised in __post_init__
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, HetpipeError):
-            raise cause from None
-        raise ConfigError(f"cluster {name!r}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 - OmegaConf wraps errors raised in __post_init__
+        raise config_error_from(exc, f"cluster {name!r}: ") from None
     return cluster
 
 
