@@ -105,8 +105,14 @@ def test_counters_rise_only_on_the_nic_that_carried_the_traffic(emulated_nodes):
         after = {key: emu.counters(*key) for key in before}
         assert after[node0, used].tx_bytes - before[node0, used].tx_bytes >= MIB
         assert after[node1, used].rx_bytes - before[node1, used].rx_bytes >= MIB
-        for node in (node0, node1):  # the idle NIC carried nothing at all (no IPv6 chatter either)
-            assert after[node, idle] == before[node, idle], (node.netns, idle)
+        for node in (node0, node1):
+            # The idle NIC carried none of the megabyte. Not "exactly nothing":
+            # a link-local packet the kernel sent as the link came up (before
+            # IPv6 was switched off) can still leave late on a loaded machine,
+            # as it did once in a full CI-like run.
+            idle_bytes = (after[node, idle].tx_bytes - before[node, idle].tx_bytes
+                          + after[node, idle].rx_bytes - before[node, idle].rx_bytes)
+            assert idle_bytes < 4096, (node.netns, idle, idle_bytes)
 
 
 def test_nodes_see_only_their_nics_and_nothing_beyond_their_subnets(emulated_nodes):
