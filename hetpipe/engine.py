@@ -12,13 +12,15 @@ which is what makes pipelined and single-process runs comparable bit for bit.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from hetpipe.models import CausalLM
+from hetpipe.models.split_backward import WeightBackward, backward_input, capture_output
 from hetpipe.precision import Bf16Weights, compute_context
-from hetpipe.schedules import Action
+from hetpipe.schedules import BWD_INPUT, BWD_WEIGHT, Action
 
 if TYPE_CHECKING:
     from hetpipe.comm.channel import Handle
@@ -45,6 +47,10 @@ class PipelineEngine:
         self.precision = precision
         self.weights = weights
         self.recv_ahead = recv_ahead
+        # A zero-bubble schedule splits backwards into B and W (see
+        # hetpipe.models.split_backward); the first stage's B then ends at the
+        # embedding's output, which the forward has to keep.
+        self.split_backward = any(a.kind == BWD_INPUT for a in self.actions)
 
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.pipeline_size + self.rank
@@ -99,6 +105,8 @@ class PipelineEngine:
         """
         num_micro = len(microbatches)
         inputs, outputs, received = {}, {}, {}
+        embedded: dict[tuple[int, int], torch.Tensor] = {}  # first stage, split backward: B's end
+        weight_backwards: dict[tuple[int, int], WeightBackward] = {}
         posted: dict[tuple[str, int, int], tuple[torch.Tensor, Handle]] = {}
         sends: list[Handle] = []
         loss_sum: Optional[torch.Tensor] = None
@@ -135,9 +143,13 @@ class PipelineEngine:
                 else:
                     x = received.pop(("fwd",) + key).requires_grad_(True)
                 is_last = v == self.num_virtual - 1
-                with self._compute(action.chunk):
-                    out = self.chunks[action.chunk](
-                        x, labels.to(self.device, non_blocking=True) if is_last else None)
+                chunk = self.chunks[action.chunk]
+                keep_embedding = self.split_backward and v == 0
+                with self._compute(action.chunk), \
+                        capture_output(chunk.embedding) if keep_embedding else nullcontext([]) as captured:
+                    out = chunk(x, labels.to(self.device, non_blocking=True) if is_last else None)
+                if keep_embedding:
+                    embedded[key] = captured[0]
                 inputs[key], outputs[key] = x, out
                 if is_last:
                     losses[action.microbatch] = out.detach()
@@ -151,13 +163,25 @@ class PipelineEngine:
                     (out / num_micro).backward()
                 else:
                     out.backward(received.pop(("bwd",) + key))
+            elif action.kind == BWD_INPUT:
+                out = outputs.pop(key)
+                if v == self.num_virtual - 1:
+                    out, grad = out / num_micro, None
+                else:
+                    grad = received.pop(("bwd",) + key)
+                chunk_input = embedded.pop(key) if v == 0 else inputs[key]
+                grad_input, weight_backwards[key] = backward_input(out, grad, chunk_input)
+                if v > 0:
+                    chunk_input.grad = grad_input  # what send_bwd sends, as after a whole backward
+            elif action.kind == BWD_WEIGHT:
+                weight_backwards.pop(key).run()
             elif action.kind == "send_bwd":
                 x = inputs.pop(key)
                 sends.append(self.links[action.peer].isend(
                     x.grad, microbatch=action.microbatch, kind="bwd"))
             else:
                 raise ValueError(f"unknown pipeline action {action}")
-            if action.kind == "bwd" and v == 0:
+            if action.kind in ("bwd", BWD_INPUT) and v == 0:
                 inputs.pop(key, None)
         for handle in sends:
             handle.wait()

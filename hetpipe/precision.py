@@ -157,6 +157,24 @@ def accumulate_main_grad(main: nn.Parameter, grad_out: torch.Tensor, inputs: tor
             hook(main)
 
 
+# While a zero-bubble schedule's B runs (hetpipe.models.split_backward), the
+# list its W will run: _LinearMainGrad queues its weight-gradient GEMM there
+# instead of running it (Qi et al., "Zero Bubble Pipeline Parallelism", 2024).
+_deferred_main_grads: Optional[list[Callable[[], None]]] = None
+
+
+@contextlib.contextmanager
+def deferring_main_grads(queue: list[Callable[[], None]]) -> Iterator[None]:
+    """Inside the block, fused linears append their weight-gradient GEMM (and
+    its hooks) to ``queue`` instead of running it."""
+    global _deferred_main_grads
+    previous, _deferred_main_grads = _deferred_main_grads, queue
+    try:
+        yield
+    finally:
+        _deferred_main_grads = previous
+
+
 class _LinearMainGrad(torch.autograd.Function):
     """y = x @ w^T + b with w a bf16 working copy of the fp32 parameter ``main``;
     the weight gradient goes straight into ``main.grad`` (fp32)."""
@@ -176,7 +194,11 @@ class _LinearMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        accumulate_main_grad(ctx.main, grad_2d, x.reshape(-1, x.shape[-1]))
+        if _deferred_main_grads is not None:
+            _deferred_main_grads.append(functools.partial(accumulate_main_grad, ctx.main, grad_2d,
+                                                          x.reshape(-1, x.shape[-1])))
+        else:
+            accumulate_main_grad(ctx.main, grad_2d, x.reshape(-1, x.shape[-1]))
         grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias, None
 

@@ -202,7 +202,9 @@ class PartitionConfig:
     # the embedding joins the first stage and the head the last. None splits
     # the layers evenly over the cluster's ranks.
     layers: Optional[List[int]] = None
-    # gpipe | 1f1b | interleaved_1f1b
+    # gpipe | 1f1b | interleaved_1f1b | zb_h1 (zero bubble: backward split
+    # into input and weight gradients, weights deferred into the bubbles;
+    # 1F1B's peak memory, a third of its bubble; see hetpipe.schedules)
     schedule: str = "1f1b"
     # Model chunks per rank (virtual stages) for interleaved_1f1b.
     num_chunks: int = 1

@@ -23,14 +23,24 @@ why that order is also consistent with FIFO matching.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetpipe.errors import ConfigError
 
 FWD, BWD = "fwd", "bwd"
+# Zero-bubble split backward (Qi et al., "Zero Bubble Pipeline Parallelism",
+# ICLR 2024): BWD_INPUT ("B" in the paper) is the gradient with respect to
+# the unit's input, which the previous stage waits for; BWD_WEIGHT ("W") the
+# weight gradients, which nobody waits for and so can fill a bubble. A unit
+# has either one BWD or one BWD_INPUT followed, later, by its BWD_WEIGHT.
+BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"
 SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD = "send_fwd", "recv_fwd", "send_bwd", "recv_bwd"
-ACTION_KINDS = (RECV_FWD, FWD, SEND_FWD, RECV_BWD, BWD, SEND_BWD)
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+ACTION_KINDS = (RECV_FWD, FWD, SEND_FWD, RECV_BWD, BWD, BWD_INPUT, BWD_WEIGHT, SEND_BWD)
+COMPUTE_KINDS = (FWD, BWD, BWD_INPUT, BWD_WEIGHT)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+# Relative cost of each computation in SimulationResult.makespan: the paper's
+# T_F = T_B = T_W, so a whole backward is two units.
+COMPUTE_COST = {FWD: 1, BWD_INPUT: 1, BWD_WEIGHT: 1, BWD: 2}
 
 # (fwd|bwd, microbatch, sender virtual stage): what the transport's header
 # identifies, so what a FIFO match must agree on.
@@ -58,8 +68,8 @@ class Action:
     peer: int | None = None
 
     def __str__(self) -> str:
-        direction = "F" if self.kind in (FWD, SEND_FWD, RECV_FWD) else "B"
-        unit = f"{direction}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+        letter = {FWD: "F", BWD: "B", BWD_INPUT: "Bi", BWD_WEIGHT: "W", SEND_FWD: "F", RECV_FWD: "F"}
+        unit = f"{letter.get(self.kind, 'B')}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
         if self.kind.startswith("send_"):
             return f"send{unit}->{self.peer}"
         if self.kind.startswith("recv_"):
@@ -131,6 +141,46 @@ def interleaved_one_f_one_b(
     return _with_communication(orders, num_chunks)
 
 
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., 2024, section 3.1): 1F1B with the backward split into
+    B and W, and W postponed to fill the bubbles.
+
+    Only B is on the critical path from the last stage back to the first, so
+    the B chain reaches rank 0 sooner than 1F1B's whole backwards, and the
+    postponed Ws run where 1F1B's ranks waited. Rank ``s`` warms up as in
+    1F1B with ``P - s - 1`` forwards, then runs F, B and (once ``s`` Ws are
+    pending) the oldest W; the cool-down runs each remaining B followed by a
+    W, and the last ``s`` Ws at the end. At most ``P`` units are between their
+    F and their W on any rank: the peak of 1F1B's rank 0, which the paper's
+    ZB-H1 keeps, for a bubble of ``(P - 1)(T_F + T_B - T_W)`` instead of
+    1F1B's ``(P - 1)(T_F + T_B + T_W)``: a third of it at equal costs.
+    Ws run in microbatch order, so weight gradients accumulate as in 1F1B.
+    """
+    _check_sizes(num_stages, num_microbatches, 1)
+    orders = []
+    for rank in range(num_stages):
+        warmup = min(num_stages - rank - 1, num_microbatches)
+        order: list[Compute] = [(FWD, m, 0) for m in range(warmup)]
+        next_w = 0
+
+        def weight() -> Compute:
+            nonlocal next_w
+            next_w += 1
+            return BWD_WEIGHT, next_w - 1, 0
+
+        for m in range(num_microbatches - warmup):
+            order += [(FWD, m + warmup, 0), (BWD_INPUT, m, 0)]
+            if m + 1 - next_w > rank:
+                order.append(weight())
+        for m in range(num_microbatches - warmup, num_microbatches):
+            order.append((BWD_INPUT, m, 0))
+            if m + 1 - next_w > rank:
+                order.append(weight())
+        order += [weight() for _ in range(next_w, num_microbatches)]
+        orders.append(order)
+    return _with_communication(orders, 1)
+
+
 def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> list[list[Action]]:
     """Validation: every rank receives, forwards and sends each microbatch; no backward.
 
@@ -150,7 +200,7 @@ def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) ->
 def build_schedule(
     name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
 ) -> list[list[Action]]:
-    """The schedule called ``name`` ("gpipe", "1f1b" or "interleaved_1f1b")."""
+    """The schedule called ``name`` (one of :data:`SCHEDULES`)."""
     if name == "interleaved_1f1b":
         return interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks)
     if name not in SCHEDULES:
@@ -160,6 +210,8 @@ def build_schedule(
                           "use interleaved_1f1b for several")
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches)
+    if name == "zb_h1":
+        return zero_bubble_h1(num_stages, num_microbatches)
     return one_f_one_b(num_stages, num_microbatches)
 
 
@@ -221,6 +273,9 @@ def _with_communication(orders: list[list[Compute]], num_chunks: int) -> list[li
         actions: list[Action] = []
         for kind, mb, chunk in order:
             stage = chunk * num_ranks + rank
+            if kind == BWD_WEIGHT:  # local work: nothing to receive or send
+                actions.append(Action(kind, mb, chunk))
+                continue
             source = _input_stage(kind, stage, last)
             if source is not None and source % num_ranks != rank:
                 actions.append(Action(RECV_FWD if kind == FWD else RECV_BWD, mb, chunk, source % num_ranks))
@@ -237,12 +292,25 @@ class SimulationResult:
     """What a successful :func:`simulate` run measured."""
 
     # Per rank, the peak number of (microbatch, chunk) units forwarded but not
-    # yet backwarded: the activation memory the schedule needs, in units.
-    # Forward-only, a unit's activations are freed as soon as it is computed.
+    # yet backwarded (for a split backward: not yet through B): the
+    # activation memory the schedule needs, in units. Forward-only, a unit's
+    # activations are freed as soon as it is computed.
     max_live_activations: list[int]
     # Rounds until every list finished, each rank doing at most one action a
     # round: a rough makespan, larger when the pipeline bubble is.
     steps: int
+    # Per rank, the peak number of units between their B and their W: what
+    # a split backward holds for W (the inputs and output gradients of the
+    # weight GEMMs), in units.
+    max_held_for_weights: list[int] = field(default_factory=list)
+    # Per rank, the peak number of units forwarded and not yet through their
+    # whole backward (W included): the memory bound if a unit held for W
+    # kept all its activations.
+    max_in_flight: list[int] = field(default_factory=list)
+    # Time until the last rank finished, computations costing COMPUTE_COST
+    # and messages nothing: the schedule's makespan in units of one forward,
+    # whose excess over a rank's own work is its bubble.
+    makespan: int = 0
 
 
 def _describe(msg: Message) -> str:
@@ -258,7 +326,8 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
     receive waits until that FIFO is non-empty, and its head must be exactly
     the expected message. Raises :class:`ScheduleError` on a deadlock, a
     mismatched or missing message, a computation without its input, a
-    backward before its forward or out of microbatch order, or a
+    backward before its forward, a W before its B or without one, weight
+    gradients accumulated (BWD or W) out of microbatch order, or a
     (microbatch, virtual stage) not computed exactly once each way. With
     ``forward_only`` (validation) any backward action is an error and only
     forwards must be complete.
@@ -268,67 +337,95 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
         raise ScheduleError("a schedule needs at least one rank")
     last = num_ranks * num_chunks - 1
     fifos: dict[tuple[int, int], deque[Message]] = defaultdict(deque)
+    stamps: dict[tuple[int, int], deque[int]] = defaultdict(deque)  # send time of each FIFO entry
     inbox: list[set[Message]] = [set() for _ in range(num_ranks)]  # received, not yet consumed
     forwarded: set[tuple[int, int]] = set()  # (microbatch, virtual stage)
-    backwarded: set[tuple[int, int]] = set()
-    last_backward: dict[tuple[int, int], int] = {}  # (rank, chunk) -> microbatch
-    live = [0] * num_ranks
-    peak = [0] * num_ranks
+    backwarded: set[tuple[int, int]] = set()  # whole backward or B done
+    awaiting_weights: set[tuple[int, int]] = set()  # B done, W not yet
+    weighted: set[tuple[int, int]] = set()  # W done
+    last_accumulation: dict[tuple[int, int], int] = {}  # (rank, chunk) -> microbatch of the last BWD or W
+    live, held = [0] * num_ranks, [0] * num_ranks
+    peak, peak_held, peak_in_flight = [0] * num_ranks, [0] * num_ranks, [0] * num_ranks
+    clock = [0] * num_ranks
     cursor = [0] * num_ranks
     steps = 0
 
     def consume_input(rank: int, action: Action, stage: int) -> None:
-        source = _input_stage(action.kind, stage, last)
+        direction = FWD if action.kind == FWD else BWD
+        source = _input_stage(direction, stage, last)
         if source is None:
             return  # stage 0's forward reads data; the last stage's backward starts at the loss
         if source % num_ranks == rank:
-            done = forwarded if action.kind == FWD else backwarded
+            done = forwarded if direction == FWD else backwarded
             if (action.microbatch, source) not in done:
                 raise ScheduleError(f"rank {rank}: {action} runs before its local input "
                                     f"from virtual stage {source}")
             return
-        msg = (action.kind, action.microbatch, source)
+        msg = (direction, action.microbatch, source)
         if msg not in inbox[rank]:
             raise ScheduleError(f"rank {rank}: {action} runs without having received "
                                 f"{_describe(msg)} from rank {source % num_ranks}")
         inbox[rank].remove(msg)
 
-    def execute(rank: int, action: Action, outgoing: list[tuple[int, int, Message]]) -> bool:
-        """Do ``action``; False when it is a receive that must wait."""
-        if action.kind not in ACTION_KINDS:
-            raise ScheduleError(f"rank {rank}: unknown action kind {action.kind!r}")
-        if forward_only and action.kind in (RECV_BWD, BWD, SEND_BWD):
-            raise ScheduleError(f"rank {rank}: {action} in a forward-only schedule")
-        if not 0 <= action.chunk < num_chunks or action.microbatch < 0:
-            raise ScheduleError(f"rank {rank}: {action} names a chunk or microbatch out of range")
-        stage = action.chunk * num_ranks + rank
+    def accumulate_in_order(rank: int, action: Action) -> None:
+        previous = last_accumulation.get((rank, action.chunk), -1)
+        if action.microbatch < previous:
+            raise ScheduleError(f"rank {rank}: {action} runs after the weight gradients of microbatch "
+                                f"{previous} on chunk {action.chunk}; gradients must accumulate in "
+                                "increasing microbatch order")
+        last_accumulation[rank, action.chunk] = action.microbatch
+
+    def compute(rank: int, action: Action, stage: int) -> None:
         unit = (action.microbatch, stage)
-        if action.kind in (FWD, BWD):
-            if action.peer is not None:
-                raise ScheduleError(f"rank {rank}: computation {action} must not name a peer")
-            if action.kind == FWD:
-                if unit in forwarded:
-                    raise ScheduleError(f"rank {rank}: {action} runs twice")
-                consume_input(rank, action, stage)
-                forwarded.add(unit)
-                live[rank] += 1
-                peak[rank] = max(peak[rank], live[rank])
-                if forward_only:
-                    live[rank] -= 1  # no graph is kept: nothing waits for a backward
-                return True
+        if action.peer is not None:
+            raise ScheduleError(f"rank {rank}: computation {action} must not name a peer")
+        if action.kind == FWD:
+            if unit in forwarded:
+                raise ScheduleError(f"rank {rank}: {action} runs twice")
+            consume_input(rank, action, stage)
+            forwarded.add(unit)
+            live[rank] += 1
+            peak[rank] = max(peak[rank], live[rank])
+            peak_in_flight[rank] = max(peak_in_flight[rank], live[rank] + held[rank])
+            if forward_only:
+                live[rank] -= 1  # no graph is kept: nothing waits for a backward
+        elif action.kind == BWD_WEIGHT:
+            if unit in weighted:
+                raise ScheduleError(f"rank {rank}: {action} runs twice")
+            if unit not in awaiting_weights:
+                raise ScheduleError(f"rank {rank}: {action} runs before its input backward "
+                                    f"Bi{action.microbatch}" + (f"c{action.chunk}" if action.chunk else ""))
+            accumulate_in_order(rank, action)
+            awaiting_weights.remove(unit)
+            weighted.add(unit)
+            held[rank] -= 1
+        else:
             if unit in backwarded:
                 raise ScheduleError(f"rank {rank}: {action} runs twice")
             if unit not in forwarded:
                 raise ScheduleError(f"rank {rank}: {action} runs before its forward")
-            previous = last_backward.get((rank, action.chunk), -1)
-            if action.microbatch < previous:
-                raise ScheduleError(f"rank {rank}: {action} runs after backward of microbatch "
-                                    f"{previous} on chunk {action.chunk}; gradients must "
-                                    "accumulate in increasing microbatch order")
+            if action.kind == BWD:
+                accumulate_in_order(rank, action)
             consume_input(rank, action, stage)
-            last_backward[rank, action.chunk] = action.microbatch
             backwarded.add(unit)
             live[rank] -= 1
+            if action.kind == BWD_INPUT:
+                awaiting_weights.add(unit)
+                held[rank] += 1
+                peak_held[rank] = max(peak_held[rank], held[rank])
+        clock[rank] += COMPUTE_COST[action.kind]
+
+    def execute(rank: int, action: Action, outgoing: list[tuple[int, int, Message]]) -> bool:
+        """Do ``action``; False when it is a receive that must wait."""
+        if action.kind not in ACTION_KINDS:
+            raise ScheduleError(f"rank {rank}: unknown action kind {action.kind!r}")
+        if forward_only and action.kind not in (RECV_FWD, FWD, SEND_FWD):
+            raise ScheduleError(f"rank {rank}: {action} in a forward-only schedule")
+        if not 0 <= action.chunk < num_chunks or action.microbatch < 0:
+            raise ScheduleError(f"rank {rank}: {action} names a chunk or microbatch out of range")
+        stage = action.chunk * num_ranks + rank
+        if action.kind in COMPUTE_KINDS:
+            compute(rank, action, stage)
             return True
 
         direction = FWD if action.kind in (SEND_FWD, RECV_FWD) else BWD
@@ -339,7 +436,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
             raise ScheduleError(f"rank {rank}: {action} has the wrong peer; virtual stage "
                                 f"{stage} exchanges {direction} with {expected}")
         if sending:
-            if unit not in (forwarded if direction == FWD else backwarded):
+            if (action.microbatch, stage) not in (forwarded if direction == FWD else backwarded):
                 raise ScheduleError(f"rank {rank}: {action} sends before computing it")
             outgoing.append((rank, action.peer, (direction, action.microbatch, stage)))
             return True
@@ -353,6 +450,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
                 f"{action.peer}, but the next message rank {action.peer} sent it is "
                 f"{_describe(fifo[0])}")
         inbox[rank].add(fifo.popleft())
+        clock[rank] = max(clock[rank], stamps[action.peer, rank].popleft())
         return True
 
     while any(cursor[r] < len(schedules[r]) for r in range(num_ranks)):
@@ -367,6 +465,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
         # message sent in the same round just because it was iterated later.
         for src, dst, msg in outgoing:
             fifos[src, dst].append(msg)
+            stamps[src, dst].append(clock[src])
         if not progressed:
             stuck = ", ".join(f"rank {r} waits at {schedules[r][cursor[r]]}"
                               for r in range(num_ranks) if cursor[r] < len(schedules[r]))
@@ -387,4 +486,9 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
                 if (mb, stage) not in done:
                     raise ScheduleError(f"microbatch {mb} has no {name} on virtual stage {stage} "
                                         f"(rank {stage % num_ranks}, chunk {stage // num_ranks})")
-    return SimulationResult(max_live_activations=peak, steps=steps)
+    if awaiting_weights:
+        mb, stage = min(awaiting_weights)
+        raise ScheduleError(f"microbatch {mb} has no weight backward (W) on virtual stage {stage} "
+                            f"(rank {stage % num_ranks}, chunk {stage // num_ranks}) after its input backward")
+    return SimulationResult(max_live_activations=peak, steps=steps, max_held_for_weights=peak_held,
+                            max_in_flight=peak_in_flight, makespan=max(clock))

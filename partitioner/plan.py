@@ -59,6 +59,11 @@ class Plan:
                                   f"{', '.join(RECOMPUTE_MODES)}")
             if s.recompute_num_layers is not None and s.recompute_num_layers < 0:
                 raise ConfigError(f"plan stage {v}: recompute_num_layers={s.recompute_num_layers} is negative")
+            if self.schedule == "zb_h1" and s.recompute == "full":
+                # W reruns single nodes of a layer's graph after B; a fully
+                # recomputed layer would rerun its whole forward for each.
+                raise ConfigError(f"plan stage {v}: recompute=full cannot run under schedule zb_h1 (its "
+                                  "deferred weight gradients would recompute the layer again); use selective")
 
     @property
     def pipeline_size(self) -> int:

@@ -18,6 +18,7 @@ from hetpipe.schedules import (
     interleaved_one_f_one_b,
     one_f_one_b,
     simulate,
+    zero_bubble_h1,
 )
 
 STAGES = range(1, 7)
@@ -50,7 +51,8 @@ def receives_precede_their_consumer(schedules: list[list[Action]]) -> None:
     for actions in schedules:
         for recv, nxt in zip(actions, actions[1:]):
             if recv.kind.startswith("recv_"):
-                assert (nxt.kind, nxt.microbatch, nxt.chunk) == (recv.kind[5:], recv.microbatch, recv.chunk)
+                consumers = ("fwd",) if recv.kind == "recv_fwd" else ("bwd", "bwd_input")
+                assert nxt.kind in consumers and (nxt.microbatch, nxt.chunk) == (recv.microbatch, recv.chunk)
 
 
 @pytest.mark.parametrize("P", STAGES)
@@ -239,3 +241,49 @@ def test_forward_only_rejects_backwards_and_missing_forwards():
     with pytest.raises(ScheduleError, match="rank 0 sent F1 from virtual stage 0 to rank 1, which never"):
         simulate(schedules, forward_only=True)
 
+
+
+@pytest.mark.parametrize("P", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES)
+def test_zb_h1_keeps_1f1b_memory_with_a_third_of_its_bubble(P, M):
+    schedules = zero_bubble_h1(P, M)
+    result = simulate(schedules)
+    receives_precede_their_consumer(schedules)
+    for rank, actions in enumerate(schedules):
+        inputs = [a.microbatch for a in actions if a.kind == "bwd_input"]
+        weights = [a.microbatch for a in actions if a.kind == "bwd_weight"]
+        assert inputs == weights == list(range(M)), rank  # each unit split once; Ws in microbatch order
+        assert not any(a.kind == "bwd" for a in actions)
+    # Units between F and W never exceed 1F1B's peak (rank 0's min(P, M));
+    # rank s keeps up to s + 1 units waiting for their W.
+    plain = simulate(one_f_one_b(P, M))
+    assert max(result.max_in_flight) == max(plain.max_live_activations)
+    assert result.max_held_for_weights == [min(s + 1, M) for s in range(P)]
+    # Unit costs F = B = W: 1F1B's bubble is 3(P - 1), ZB-H1's P - 1.
+    assert plain.makespan - 3 * M == 3 * (P - 1)
+    if M >= P:
+        assert result.makespan - 3 * M == P - 1
+
+
+def test_zb_h1_dispatches_and_refuses_chunks():
+    assert build_schedule("zb_h1", 3, 6) == zero_bubble_h1(3, 6)
+    assert [str(a) for a in zero_bubble_h1(1, 2)[0]] == ["F0", "Bi0", "W0", "F1", "Bi1", "W1"]
+    with pytest.raises(ConfigError, match="num_chunks=2"):
+        build_schedule("zb_h1", 2, 4, 2)
+
+
+def test_weight_backward_before_its_input_backward_is_caught():
+    with pytest.raises(ScheduleError, match="W0 runs before its input backward Bi0"):
+        simulate([[Action("fwd", 0), Action("bwd_weight", 0), Action("bwd_input", 0)]])
+    with pytest.raises(ScheduleError, match="no weight backward \\(W\\) on virtual stage 0"):
+        simulate([[Action("fwd", 0), Action("bwd_input", 0)]])
+    with pytest.raises(ScheduleError, match="W0 runs twice"):
+        simulate([[Action("fwd", 0), Action("bwd_input", 0), Action("bwd_weight", 0), Action("bwd_weight", 0)]])
+
+
+def test_weights_out_of_microbatch_order_are_caught():
+    schedules = zero_bubble_h1(1, 2)
+    schedules[0] = [Action("fwd", 0), Action("bwd_input", 0), Action("fwd", 1), Action("bwd_input", 1),
+                    Action("bwd_weight", 1), Action("bwd_weight", 0)]
+    with pytest.raises(ScheduleError, match="increasing microbatch order"):
+        simulate(schedules)
