@@ -7,6 +7,7 @@ have to read a traceback to learn that a path was wrong.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, NoReturn, TypeVar
 
@@ -44,9 +45,18 @@ def config_error_from(exc: Exception, prefix: str = "") -> HetpipeError:
     return ConfigError(prefix + str(exc).splitlines()[0])
 
 
+def error_line(message: str) -> None:
+    """Write ``hetpipe: error: <message>`` to stderr in one system call: ranks
+    of a job share their launcher's stderr, and a print split into text and
+    newline let two ranks' lines run together on one line (seen in CI-like
+    runs). One write of less than PIPE_BUF bytes to a pipe is atomic."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"hetpipe: error: {message}\n".encode())
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print ``hetpipe: error: <message>`` on stderr and exit with ``code``."""
-    print(f"hetpipe: error: {message}", file=sys.stderr, flush=True)
+    error_line(message)
     raise SystemExit(code)
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import threading
 import time
 import traceback
@@ -50,7 +49,7 @@ from hetpipe.comm.channel import ChannelError, ChannelTimeout
 from hetpipe.comm.nics import Nic, list_interfaces
 from hetpipe.comm.tcp_links import LinkStalled
 from hetpipe.comm.threaded import PeerLost
-from hetpipe.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, HetpipeError
+from hetpipe.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, HetpipeError, error_line
 from hetpipe.nodes import NodeMap, NodeMissing
 
 ABORT_KEY = "hetpipe/abort"
@@ -231,7 +230,7 @@ def _verdict(raw: bytes) -> Verdict:
 def _exit(rank: int, reason: str, code: int, linger: bool = True) -> NoReturn:
     """Print the one line (once per process, whichever thread gets here first) and leave."""
     if _exiting.acquire(blocking=False):
-        print(f"hetpipe: error: [rank {rank}] {reason}", file=sys.stderr, flush=True)
+        error_line(f"[rank {rank}] {reason}")
         if linger:
             time.sleep(_LINGER_S)
         os._exit(code)  # skip interpreter teardown: peers may hold sockets to us, threads may block
