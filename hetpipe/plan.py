@@ -56,7 +56,7 @@ class PlanConfig:
     # seq_length, micro_batch_size, global_batch_size and precision shape the costs.
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    # partition.layers fixes the split (the planner predicts it); 1f1b only.
+    # partition.layers fixes the split (the planner predicts it); planner.schedule the schedule.
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     # Where the plan is written.
@@ -76,9 +76,9 @@ class PlanConfig:
             raise ConfigError("the planner chooses each stage's recomputation; constrain it with planner.recompute "
                               "(auto, none, selective or full), not train.recompute")
         if self.mode == "plan" and (self.partition.schedule != "1f1b" or self.partition.num_chunks != 1):
-            raise ConfigError(f"the planner models the 1f1b schedule without interleaving; got "
-                              f"partition.schedule={self.partition.schedule}, "
-                              f"partition.num_chunks={self.partition.num_chunks}")
+            raise ConfigError(f"the planner chooses the schedule (without interleaving): set planner.schedule "
+                              f"(auto, 1f1b, zb_h1 or gpipe), not partition.schedule={self.partition.schedule} "
+                              f"or partition.num_chunks={self.partition.num_chunks}")
 
 
 def register_plan_config() -> None:
@@ -136,7 +136,7 @@ def format_solution(s: Solution) -> str:
     world = s.cluster.world_size
     lines = [
         f"hetpipe plan: {s.model.name} on {s.cluster.name} ({world} device{'s' * (world != 1)}: {groups})",
-        f"  pipeline {' -> '.join(s.group_order)}; 1f1b, {cand.num_microbatches} microbatches of "
+        f"  pipeline {' -> '.join(s.group_order)}; {s.schedule}, {cand.num_microbatches} microbatches of "
         f"{cand.micro_batch_size} x {s.seq_length} tokens (global batch {s.global_batch_size}); "
         f"cross-vendor boundaries costed as {s.transport}",
         f"  costs: {', '.join(f'{g} {src}' for g, src in s.cost_source.items())}",
@@ -164,7 +164,24 @@ def format_solution(s: Solution) -> str:
     ]
     if s.idle_ranks:
         lines.append(f"idle ranks: {_ranks(s.idle_ranks)}")
+    lines += ["", *_schedule_lines(s)]
     return "\n".join(lines)
+
+
+def _schedule_lines(s: Solution) -> list[str]:
+    """The best plan's step under each schedule considered, the chosen one marked."""
+    header = ("schedule", "predicted step", "bubble", "peak memory/device")
+    rows = []
+    for o in s.schedule_options:
+        mark = " (chosen)" if o.schedule == s.schedule else ""
+        if o.step_s is None:
+            rows.append((o.schedule, "does not fit", "-", "-"))
+        else:
+            rows.append((o.schedule + mark, f"{o.step_s:.3f} s", f"{o.bubble_s:.3f} s",
+                         f"{o.memory_gib:.1f}/{o.usable_gib:.1f} GiB"))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return lines + ["bubble: the busiest stage's idle time; planner.schedule=NAME plans for one schedule"]
 
 
 def _ranks(ranks: list[int]) -> str:

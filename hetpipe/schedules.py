@@ -5,9 +5,11 @@ live: a deadlock, a receive matched to the wrong message, gradients summed in
 a different order than a single-process run. All of these can be found
 without a GPU or a process, so schedules are pure functions returning one
 list of :class:`Action` per pipeline rank, the engine executes its rank's list
-verbatim, and :func:`simulate` runs all lists together under the transport's
-rules (asynchronous sends, blocking receives, FIFO matching per ordered pair
-of ranks, as NCCL point-to-point) to prove a schedule correct.
+verbatim, and :func:`hetpipe.schedule_check.simulate` runs all lists together
+under the transport's rules (asynchronous sends, blocking receives, FIFO
+matching per ordered pair of ranks, as NCCL point-to-point) to prove a
+schedule correct. This module only generates; the checker is a module of its
+own so that the engine, which imports the action types, carries no simulator.
 
 Virtual stages follow Megatron's interleaving: chunk ``c`` on rank ``r`` is
 virtual stage ``v = c * P + r``; stage 0 reads the inputs and stage
@@ -22,8 +24,7 @@ why that order is also consistent with FIFO matching.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hetpipe.errors import ConfigError
 
@@ -38,19 +39,9 @@ SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD = "send_fwd", "recv_fwd", "send_bwd", "re
 ACTION_KINDS = (RECV_FWD, FWD, SEND_FWD, RECV_BWD, BWD, BWD_INPUT, BWD_WEIGHT, SEND_BWD)
 COMPUTE_KINDS = (FWD, BWD, BWD_INPUT, BWD_WEIGHT)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-# Relative cost of each computation in SimulationResult.makespan: the paper's
-# T_F = T_B = T_W, so a whole backward is two units.
-COMPUTE_COST = {FWD: 1, BWD_INPUT: 1, BWD_WEIGHT: 1, BWD: 2}
 
-# (fwd|bwd, microbatch, sender virtual stage): what the transport's header
-# identifies, so what a FIFO match must agree on.
-Message = tuple[str, int, int]
 # (fwd|bwd, microbatch, chunk): one computation on one rank.
 Compute = tuple[str, int, int]
-
-
-class ScheduleError(Exception):
-    """A schedule breaks the pipeline's rules: a bug in a schedule, not user input."""
 
 
 @dataclass(frozen=True)
@@ -241,13 +232,13 @@ def _interleaved_unit(k: int, kind: str, num_stages: int, num_chunks: int) -> Co
     return kind, group * num_stages + within % num_stages, chunk
 
 
-def _input_stage(kind: str, stage: int, last: int) -> int | None:
+def input_stage(kind: str, stage: int, last: int) -> int | None:
     """The virtual stage whose output a computation of ``stage`` consumes."""
     source = stage - 1 if kind == FWD else stage + 1
     return source if 0 <= source <= last else None
 
 
-def _output_stage(kind: str, stage: int, last: int) -> int | None:
+def output_stage(kind: str, stage: int, last: int) -> int | None:
     """The virtual stage that consumes what a computation of ``stage`` produces."""
     target = stage + 1 if kind == FWD else stage - 1
     return target if 0 <= target <= last else None
@@ -264,7 +255,8 @@ def _with_communication(orders: list[list[Compute]], num_chunks: int) -> list[li
     order. With P == 2 and interleaving, rank 0 sends rank 1 both activations
     (chunk c) and gradients (chunk c + 1); Megatron's warm-up, two forwards
     longer per rank, is what makes rank 1 need them in exactly the order rank
-    0 produces them, so no receive has to move. :func:`simulate` checks it.
+    0 produces them, so no receive has to move. :func:`hetpipe.schedule_check.simulate`
+    checks it.
     """
     num_ranks = len(orders)
     last = num_ranks * num_chunks - 1
@@ -276,219 +268,12 @@ def _with_communication(orders: list[list[Compute]], num_chunks: int) -> list[li
             if kind == BWD_WEIGHT:  # local work: nothing to receive or send
                 actions.append(Action(kind, mb, chunk))
                 continue
-            source = _input_stage(kind, stage, last)
+            source = input_stage(kind, stage, last)
             if source is not None and source % num_ranks != rank:
                 actions.append(Action(RECV_FWD if kind == FWD else RECV_BWD, mb, chunk, source % num_ranks))
             actions.append(Action(kind, mb, chunk))
-            target = _output_stage(kind, stage, last)
+            target = output_stage(kind, stage, last)
             if target is not None and target % num_ranks != rank:
                 actions.append(Action(SEND_FWD if kind == FWD else SEND_BWD, mb, chunk, target % num_ranks))
         schedules.append(actions)
     return schedules
-
-
-@dataclass
-class SimulationResult:
-    """What a successful :func:`simulate` run measured."""
-
-    # Per rank, the peak number of (microbatch, chunk) units forwarded but not
-    # yet backwarded (for a split backward: not yet through B): the
-    # activation memory the schedule needs, in units. Forward-only, a unit's
-    # activations are freed as soon as it is computed.
-    max_live_activations: list[int]
-    # Rounds until every list finished, each rank doing at most one action a
-    # round: a rough makespan, larger when the pipeline bubble is.
-    steps: int
-    # Per rank, the peak number of units between their B and their W: what
-    # a split backward holds for W (the inputs and output gradients of the
-    # weight GEMMs), in units.
-    max_held_for_weights: list[int] = field(default_factory=list)
-    # Per rank, the peak number of units forwarded and not yet through their
-    # whole backward (W included): the memory bound if a unit held for W
-    # kept all its activations.
-    max_in_flight: list[int] = field(default_factory=list)
-    # Time until the last rank finished, computations costing COMPUTE_COST
-    # and messages nothing: the schedule's makespan in units of one forward,
-    # whose excess over a rank's own work is its bubble.
-    makespan: int = 0
-
-
-def _describe(msg: Message) -> str:
-    kind, mb, stage = msg
-    return f"{'F' if kind == FWD else 'B'}{mb} from virtual stage {stage}"
-
-
-def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: bool = False) -> SimulationResult:
-    """Run all ranks' action lists together and check every pipeline rule.
-
-    Each round every rank attempts its next action. Sends never block and are
-    delivered at the end of the round into the (sender, receiver) FIFO; a
-    receive waits until that FIFO is non-empty, and its head must be exactly
-    the expected message. Raises :class:`ScheduleError` on a deadlock, a
-    mismatched or missing message, a computation without its input, a
-    backward before its forward, a W before its B or without one, weight
-    gradients accumulated (BWD or W) out of microbatch order, or a
-    (microbatch, virtual stage) not computed exactly once each way. With
-    ``forward_only`` (validation) any backward action is an error and only
-    forwards must be complete.
-    """
-    num_ranks = len(schedules)
-    if num_ranks == 0:
-        raise ScheduleError("a schedule needs at least one rank")
-    last = num_ranks * num_chunks - 1
-    fifos: dict[tuple[int, int], deque[Message]] = defaultdict(deque)
-    stamps: dict[tuple[int, int], deque[int]] = defaultdict(deque)  # send time of each FIFO entry
-    inbox: list[set[Message]] = [set() for _ in range(num_ranks)]  # received, not yet consumed
-    forwarded: set[tuple[int, int]] = set()  # (microbatch, virtual stage)
-    backwarded: set[tuple[int, int]] = set()  # whole backward or B done
-    awaiting_weights: set[tuple[int, int]] = set()  # B done, W not yet
-    weighted: set[tuple[int, int]] = set()  # W done
-    last_accumulation: dict[tuple[int, int], int] = {}  # (rank, chunk) -> microbatch of the last BWD or W
-    live, held = [0] * num_ranks, [0] * num_ranks
-    peak, peak_held, peak_in_flight = [0] * num_ranks, [0] * num_ranks, [0] * num_ranks
-    clock = [0] * num_ranks
-    cursor = [0] * num_ranks
-    steps = 0
-
-    def consume_input(rank: int, action: Action, stage: int) -> None:
-        direction = FWD if action.kind == FWD else BWD
-        source = _input_stage(direction, stage, last)
-        if source is None:
-            return  # stage 0's forward reads data; the last stage's backward starts at the loss
-        if source % num_ranks == rank:
-            done = forwarded if direction == FWD else backwarded
-            if (action.microbatch, source) not in done:
-                raise ScheduleError(f"rank {rank}: {action} runs before its local input "
-                                    f"from virtual stage {source}")
-            return
-        msg = (direction, action.microbatch, source)
-        if msg not in inbox[rank]:
-            raise ScheduleError(f"rank {rank}: {action} runs without having received "
-                                f"{_describe(msg)} from rank {source % num_ranks}")
-        inbox[rank].remove(msg)
-
-    def accumulate_in_order(rank: int, action: Action) -> None:
-        previous = last_accumulation.get((rank, action.chunk), -1)
-        if action.microbatch < previous:
-            raise ScheduleError(f"rank {rank}: {action} runs after the weight gradients of microbatch "
-                                f"{previous} on chunk {action.chunk}; gradients must accumulate in "
-                                "increasing microbatch order")
-        last_accumulation[rank, action.chunk] = action.microbatch
-
-    def compute(rank: int, action: Action, stage: int) -> None:
-        unit = (action.microbatch, stage)
-        if action.peer is not None:
-            raise ScheduleError(f"rank {rank}: computation {action} must not name a peer")
-        if action.kind == FWD:
-            if unit in forwarded:
-                raise ScheduleError(f"rank {rank}: {action} runs twice")
-            consume_input(rank, action, stage)
-            forwarded.add(unit)
-            live[rank] += 1
-            peak[rank] = max(peak[rank], live[rank])
-            peak_in_flight[rank] = max(peak_in_flight[rank], live[rank] + held[rank])
-            if forward_only:
-                live[rank] -= 1  # no graph is kept: nothing waits for a backward
-        elif action.kind == BWD_WEIGHT:
-            if unit in weighted:
-                raise ScheduleError(f"rank {rank}: {action} runs twice")
-            if unit not in awaiting_weights:
-                raise ScheduleError(f"rank {rank}: {action} runs before its input backward "
-                                    f"Bi{action.microbatch}" + (f"c{action.chunk}" if action.chunk else ""))
-            accumulate_in_order(rank, action)
-            awaiting_weights.remove(unit)
-            weighted.add(unit)
-            held[rank] -= 1
-        else:
-            if unit in backwarded:
-                raise ScheduleError(f"rank {rank}: {action} runs twice")
-            if unit not in forwarded:
-                raise ScheduleError(f"rank {rank}: {action} runs before its forward")
-            if action.kind == BWD:
-                accumulate_in_order(rank, action)
-            consume_input(rank, action, stage)
-            backwarded.add(unit)
-            live[rank] -= 1
-            if action.kind == BWD_INPUT:
-                awaiting_weights.add(unit)
-                held[rank] += 1
-                peak_held[rank] = max(peak_held[rank], held[rank])
-        clock[rank] += COMPUTE_COST[action.kind]
-
-    def execute(rank: int, action: Action, outgoing: list[tuple[int, int, Message]]) -> bool:
-        """Do ``action``; False when it is a receive that must wait."""
-        if action.kind not in ACTION_KINDS:
-            raise ScheduleError(f"rank {rank}: unknown action kind {action.kind!r}")
-        if forward_only and action.kind not in (RECV_FWD, FWD, SEND_FWD):
-            raise ScheduleError(f"rank {rank}: {action} in a forward-only schedule")
-        if not 0 <= action.chunk < num_chunks or action.microbatch < 0:
-            raise ScheduleError(f"rank {rank}: {action} names a chunk or microbatch out of range")
-        stage = action.chunk * num_ranks + rank
-        if action.kind in COMPUTE_KINDS:
-            compute(rank, action, stage)
-            return True
-
-        direction = FWD if action.kind in (SEND_FWD, RECV_FWD) else BWD
-        sending = action.kind in (SEND_FWD, SEND_BWD)
-        other = (_output_stage if sending else _input_stage)(direction, stage, last)
-        if other is None or other % num_ranks == rank or action.peer != other % num_ranks:
-            expected = "no message" if other is None or other % num_ranks == rank else f"rank {other % num_ranks}"
-            raise ScheduleError(f"rank {rank}: {action} has the wrong peer; virtual stage "
-                                f"{stage} exchanges {direction} with {expected}")
-        if sending:
-            if (action.microbatch, stage) not in (forwarded if direction == FWD else backwarded):
-                raise ScheduleError(f"rank {rank}: {action} sends before computing it")
-            outgoing.append((rank, action.peer, (direction, action.microbatch, stage)))
-            return True
-        fifo = fifos[action.peer, rank]
-        if not fifo:
-            return False
-        expected_msg = (direction, action.microbatch, other)
-        if fifo[0] != expected_msg:
-            raise ScheduleError(
-                f"rank {rank} posts a receive for {_describe(expected_msg)} from rank "
-                f"{action.peer}, but the next message rank {action.peer} sent it is "
-                f"{_describe(fifo[0])}")
-        inbox[rank].add(fifo.popleft())
-        clock[rank] = max(clock[rank], stamps[action.peer, rank].popleft())
-        return True
-
-    while any(cursor[r] < len(schedules[r]) for r in range(num_ranks)):
-        steps += 1
-        outgoing: list[tuple[int, int, Message]] = []
-        progressed = False
-        for rank in range(num_ranks):
-            if cursor[rank] < len(schedules[rank]) and execute(rank, schedules[rank][cursor[rank]], outgoing):
-                cursor[rank] += 1
-                progressed = True
-        # Delivering after the round keeps ranks symmetric: no rank sees a
-        # message sent in the same round just because it was iterated later.
-        for src, dst, msg in outgoing:
-            fifos[src, dst].append(msg)
-            stamps[src, dst].append(clock[src])
-        if not progressed:
-            stuck = ", ".join(f"rank {r} waits at {schedules[r][cursor[r]]}"
-                              for r in range(num_ranks) if cursor[r] < len(schedules[r]))
-            raise ScheduleError(f"deadlock: {stuck}")
-
-    for (src, dst), fifo in fifos.items():
-        if fifo:
-            raise ScheduleError(f"rank {src} sent {_describe(fifo[0])} to rank {dst}, "
-                                "which never received it")
-    for rank, msgs in enumerate(inbox):
-        if msgs:
-            raise ScheduleError(f"rank {rank} received {_describe(min(msgs))} but never used it")
-    num_microbatches = 1 + max((mb for mb, _ in forwarded | backwarded), default=-1)
-    required = ((forwarded, "forward"),) if forward_only else ((forwarded, "forward"), (backwarded, "backward"))
-    for mb in range(num_microbatches):
-        for stage in range(last + 1):
-            for done, name in required:
-                if (mb, stage) not in done:
-                    raise ScheduleError(f"microbatch {mb} has no {name} on virtual stage {stage} "
-                                        f"(rank {stage % num_ranks}, chunk {stage // num_ranks})")
-    if awaiting_weights:
-        mb, stage = min(awaiting_weights)
-        raise ScheduleError(f"microbatch {mb} has no weight backward (W) on virtual stage {stage} "
-                            f"(rank {stage % num_ranks}, chunk {stage // num_ranks}) after its input backward")
-    return SimulationResult(max_live_activations=peak, steps=steps, max_held_for_weights=peak_held,
-                            max_in_flight=peak_in_flight, makespan=max(clock))

@@ -14,6 +14,9 @@ devices - no recomputation, selective recomputation of every layer, or full
 recomputation of its first N layers with N the fewest that fit (each layer
 recomputed saves the same bytes for the same time, so fewer is cheaper).
 The split search then sees one time and one fits-or-not per range, as before.
+The schedule (:mod:`hetpipe.partitioner.schedule_model`) sets how many
+microbatches each stage keeps, which recomputation modes it may run, and each
+stage's share of the fill/drain path.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from hetpipe.comm.vendor import accelerator_name
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.partitioner import cost
+from hetpipe.partitioner import cost, schedule_model
 from hetpipe.partitioner.catalog import DeviceSpec, catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.planner_config import PlannerConfig
@@ -60,6 +63,8 @@ class Candidate:
 class _GroupCosts:
     """Per-range matrices of one group at one shape: entry [i, j] is a stage holding units [i, j)."""
     time: np.ndarray
+    # The weight-gradient part (zero bubble's W) of time.
+    weight: np.ndarray
     static: np.ndarray
     act: np.ndarray
     transient: np.ndarray
@@ -85,6 +90,8 @@ class SplitProblem:
     is stage k holding units [i, j)."""
     # Per microbatch: forward + backward (recomputation included) + TP collectives.
     time: np.ndarray
+    # The stage's share of the fill/drain path (schedule_model): time under 1F1B.
+    path: np.ndarray
     # Per step: DP gradient sync and optimizer step.
     sync: np.ndarray
     feasible: np.ndarray
@@ -174,7 +181,9 @@ class CostContext:
         sync = cost.grad_sync_s(params, dp, gbs, lat, spec, self.planner.distributed_optimizer,
                                 self.precisions[g].grad_bytes)
         capacity = self.memory_gib(g) * cost.GIB * self.planner.memory_headroom
-        gcosts = _GroupCosts(time, static, _range_sums(uc.activation_bytes),
+        weight = _range_sums(schedule_model.weight_backward_s(self.model, mbs, self.train.seq_length,
+                                                              uc.forward_s, uc.backward_s))
+        gcosts = _GroupCosts(time, weight, static, _range_sums(uc.activation_bytes),
                              _range_max(uc.transient_bytes), sync, capacity)
         self._groups[key] = gcosts
         return gcosts
@@ -183,11 +192,12 @@ class CostContext:
         """Memory of one device of group ``g``: ``planner.memory_gib``'s, else the catalog's."""
         return (self.planner.memory_gib or {}).get(self.names[g], self.specs[g].memory_gib)
 
-    def stage_choice(self, g: int, tp: int, dp: int, mbs: int, inflight: int, alone: bool) -> _StageChoice:
-        """For every unit range, the cheapest allowed recomputation that fits a
-        stage of group ``g`` keeping ``inflight`` microbatches (ties: less
+    def stage_choice(self, g: int, tp: int, dp: int, mbs: int, inflight: int, alone: bool,
+                     modes: tuple[str, ...]) -> _StageChoice:
+        """For every unit range, the cheapest recomputation of ``modes`` that fits
+        a stage of group ``g`` keeping ``inflight`` microbatches (ties: less
         recomputation)."""
-        key = (g, tp, dp, mbs, inflight, alone)
+        key = (g, tp, dp, mbs, inflight, alone, modes)
         if key in self._choices:
             return self._choices[key]
         base = self.group_costs(g, tp, dp, mbs, "none", alone)
@@ -195,7 +205,7 @@ class CostContext:
         # (time, memory, memory at its leanest, mode index, layers covered) per option.
         options = []
         for m, mode in enumerate(RECOMPUTE_MODES):
-            if mode not in self.recompute_modes:
+            if mode not in modes:
                 continue
             gc = self.group_costs(g, tp, dp, mbs, mode, alone)
             every = gc.static + inflight * gc.act + gc.transient
@@ -280,23 +290,29 @@ class CostContext:
                                   min(self.groups[first].ranks_per_node, cand.tp[first] * cand.dp), 1)
 
     # -- one candidate -------------------------------------------------------------------
-    def problem(self, cand: Candidate) -> SplitProblem:
-        """A candidate's split problem (see :class:`SplitProblem`)."""
+    def problem(self, cand: Candidate, schedule: str = "1f1b") -> SplitProblem:
+        """A candidate's split problem under ``schedule`` (see :class:`SplitProblem`)."""
         layout = cand.layout()
-        P = len(layout)
+        P, M = len(layout), cand.num_microbatches
         alone = P == 1
         mbs = cand.micro_batch_size
-        inflight = np.minimum(P - np.arange(P), cand.num_microbatches)
+        inflight = schedule_model.in_flight(schedule, P, M)
+        modes = schedule_model.recompute_modes(schedule, self.recompute_modes)
         base = [self.group_costs(g, cand.tp[g], cand.dp, mbs, "none", alone) for g, _ in layout]
-        choices = [self.stage_choice(g, cand.tp[g], cand.dp, mbs, int(n), alone)
+        choices = [self.stage_choice(g, cand.tp[g], cand.dp, mbs, int(n), alone, modes)
                    for (g, _), n in zip(layout, inflight)]
+        time = np.stack([c.time for c in choices])
+        # Zero bubble takes each later stage's W off the fill/drain path twice
+        # (schedule_model); W does not depend on the recomputation mode.
+        credit = 2 * schedule_model.weight_credit(schedule, P, M)
+        path = time - credit * np.stack([np.zeros_like(base[0].weight)] + [c.weight for c in base[1:]])
         sync = np.stack([c.sync for c in base])
         tied = self.tied_sync_s(cand)
         if tied:
             sync[0, 0, :] += tied
             sync[-1, :, -1] += tied
         links = [self.link_s(cand, layout[k], layout[k + 1]) for k in range(P - 1)]
-        return SplitProblem(time=np.stack([c.time for c in choices]), sync=sync,
+        return SplitProblem(time=time, path=path, sync=sync,
                             feasible=np.stack([c.feasible for c in choices]),
                             memory=np.stack([c.memory for c in choices]),
                             capacity=np.array([c.capacity for c in base]), links=links,

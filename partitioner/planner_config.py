@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 from hetpipe.errors import ConfigError
 from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner.cost import NetworkConfig
+from hetpipe.partitioner.schedule_model import schedules_for
 
 TRANSPORT_MODELS = ("auto", "direct", "cpu_forwarding")
 PLANNER_RECOMPUTE = ("auto",) + RECOMPUTE_MODES
@@ -37,6 +38,10 @@ class PlannerConfig:
     # selective or full (every layer): that mode on every stage. Off
     # (none) under train.compile, which the runtime does not recompute with.
     recompute: str = "auto"
+    # Pipeline schedule (partitioner/schedule_model.py): auto takes the one
+    # with the shortest predicted step that fits memory, of 1f1b, zb_h1 and
+    # gpipe (zb_h1 never with full recomputation); or one of them.
+    schedule: str = "auto"
     # Fix the TP degree of every group; None searches the divisors of the head
     # counts that fit in a node.
     tp: Optional[int] = None
@@ -71,6 +76,7 @@ class PlannerConfig:
             raise ConfigError(f"planner.transport={self.transport!r} is not one of {TRANSPORT_MODELS}")
         if self.recompute not in PLANNER_RECOMPUTE:
             raise ConfigError(f"planner.recompute={self.recompute!r} is not one of {', '.join(PLANNER_RECOMPUTE)}")
+        schedules_for(self.schedule, self.recompute)  # raises on an unknown or impossible choice
         for group, gib in (self.memory_gib or {}).items():
             if not gib > 0:
                 raise ConfigError(f"planner.memory_gib.{group}={gib} must be a positive number of GiB")

@@ -4,11 +4,12 @@ The search ends with one candidate and its split; :func:`build_solution`
 prices it once more in full (compute, collectives, boundary messages, bubble,
 memory and TFLOP/s per stage) for ``python -m hetpipe.plan``'s table, and
 :meth:`Solution.to_plan` turns it into the :class:`Plan` that ``pretrain``
-runs, with the predictions in its notes.
+runs, with the predictions in its notes. :class:`ScheduleOption` is the
+one-line summary of the best plan under each schedule the search considered.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hetpipe.cluster import ClusterConfig
@@ -67,6 +68,10 @@ class Solution:
     idle_ranks: list[int]
     global_batch_size: int
     seq_length: int
+    # The pipeline schedule the stages run (schedule_model.PLANNED_SCHEDULES).
+    schedule: str = "1f1b"
+    # The best plan under each schedule considered, this one's included.
+    schedule_options: list["ScheduleOption"] = field(default_factory=list)
     # How many candidates the search solved exactly (the rest were pruned by their bound).
     candidates_solved: int = 0
     candidates_total: int = 0
@@ -85,6 +90,8 @@ class Solution:
             "predicted_tokens_per_s": _round(self.tokens_per_s),
             "cost_source": dict(self.cost_source),
             "cross_vendor_transport": self.transport,
+            "predicted_step_s_by_schedule": {o.schedule: None if o.step_s is None else _round(o.step_s)
+                                             for o in self.schedule_options},
         }
         if list(self.group_order) != [g.name for g in self.cluster.groups if g.name in self.group_order]:
             notes["reordered"] = ("the pipeline visits the groups in group_order, not in the cluster's "
@@ -94,14 +101,33 @@ class Solution:
         plan = Plan(stages=[StagePlan(group=s.group, ranks=list(s.ranks), layers=s.layers, tp=s.tp, dp=s.dp,
                                       recompute=s.recompute, recompute_num_layers=s.recompute_num_layers)
                             for s in self.stages],
-                    schedule="1f1b", num_chunks=1, notes=notes)
+                    schedule=self.schedule, num_chunks=1, notes=notes)
         plan.check_model(self.model.num_layers)
         return plan
 
 
-def build_solution(ctx: CostContext, cand: Candidate, split: Split) -> Solution:
-    """The chosen plan, stage by stage, with its predicted time and memory."""
-    prob = ctx.problem(cand)
+@dataclass(frozen=True)
+class ScheduleOption:
+    """The best plan under one schedule, as ``python -m hetpipe.plan`` lists it."""
+    schedule: str
+    # None: no plan fits memory under this schedule.
+    step_s: Optional[float]
+    # The idle time of the busiest stage: step less its compute and comm.
+    bubble_s: float = 0.0
+    # The fullest stage's memory per device, against its usable memory.
+    memory_gib: float = 0.0
+    usable_gib: float = 0.0
+
+    @classmethod
+    def of(cls, s: "Solution") -> "ScheduleOption":
+        fullest = max(s.stages, key=lambda st: st.memory_gib / st.usable_gib)
+        return cls(s.schedule, s.step_s, min(st.bubble_s for st in s.stages), fullest.memory_gib,
+                   fullest.usable_gib)
+
+
+def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: str = "1f1b") -> Solution:
+    """The chosen plan under ``schedule``, stage by stage, with its predicted time and memory."""
+    prob = ctx.problem(cand, schedule)
     sync, memory, capacity, links = prob.sync, prob.memory, prob.capacity, prob.links
     layout = cand.layout()
     P, M, T = len(layout), cand.num_microbatches, split.step_s
@@ -141,7 +167,7 @@ def build_solution(ctx: CostContext, cand: Candidate, split: Split) -> Solution:
         tflops_per_gpu=megatron_model_flops(ctx.model, gbs, seq) / T / len(used) / 1e12,
         tokens_per_s=gbs * seq / T, gpus_used=len(used), group_order=[ctx.names[g] for g in cand.order],
         cost_source=dict(ctx.cost_source), device_types=dict(zip(ctx.names, ctx.device_types)),
-        transport=ctx.transport,
+        transport=ctx.transport, schedule=schedule,
         idle_ranks=[r for r in range(world) if r not in used], global_batch_size=gbs, seq_length=seq)
 
 

@@ -6,12 +6,17 @@ group (within a node, dividing the heads), one DP degree for all stages
 (Megatron's constraint) and the microbatch size (hence the microbatch count)
 - and, for each such *candidate*, the contiguous split of the model units
 (embedding and head included) over the stages, which
-:mod:`hetpipe.partitioner.split` solves exactly for the predicted 1F1B step
-time, each stage running the cheapest activation recomputation that fits its
+:mod:`hetpipe.partitioner.split` solves exactly for the predicted step time
+of a pipeline schedule (:mod:`hetpipe.partitioner.schedule_model`), each
+stage running the cheapest activation recomputation that fits its
 devices (:mod:`hetpipe.partitioner.cost_context`). Candidates are visited
 best-first by a lower bound (perfect balance at the candidate's aggregate
 speed, without recomputation) and the search stops when the bound passes
 the best plan found, which is what keeps 1024 GPUs under a few seconds.
+With ``planner.schedule=auto`` the search runs once per schedule (each
+schedule changes the memory every stage needs, so the candidates that fit,
+and its own bounds) and the fastest plan wins; the others are reported
+beside it.
 :mod:`hetpipe.partitioner.cost_context` prices each candidate and
 :mod:`hetpipe.partitioner.report` describes the winner.
 """
@@ -26,12 +31,12 @@ import numpy as np
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner import cost
+from hetpipe.partitioner import cost, schedule_model
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.plan import Plan, StagePlan
 from hetpipe.partitioner.planner_config import PlannerConfig
-from hetpipe.partitioner.report import Solution, build_solution
+from hetpipe.partitioner.report import ScheduleOption, Solution, build_solution
 from hetpipe.partitioner.split import INF, Split, best_split, evaluate_split, minimax
 
 
@@ -41,8 +46,10 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
 
     ``layers`` fixes the decoder layers per stage (e.g. ``[15, 17]``): the
     solver then only chooses the rest (groups' order and stages, TP, DP,
-    microbatches, recomputation per stage) and predicts that split. Raises
-    :class:`ConfigError` for impossible input, naming what does not fit.
+    microbatches, recomputation per stage, the schedule) and predicts that
+    split. The solution's ``schedule_options`` hold the best plan's step under
+    every schedule considered. Raises :class:`ConfigError` for impossible
+    input, naming what does not fit.
     """
     planner = planner or PlannerConfig()
     if train.seq_length > model.max_position_embeddings:
@@ -50,7 +57,33 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
                           f"max_position_embeddings={model.max_position_embeddings}")
     ctx = CostContext(model, cluster, train, planner)
     fixed = _fixed_bounds(model, cluster, layers)
-    blocks = _enumerate(ctx, None if fixed is None else len(fixed) - 1)
+    found: list[Solution] = []
+    options: list[ScheduleOption] = []
+    solved = total = 0
+    lean_blocks: Optional[list[_Block]] = None
+    for schedule in schedule_model.schedules_for(planner.schedule, planner.recompute):
+        blocks = _enumerate(ctx, None if fixed is None else len(fixed) - 1, schedule)
+        lean_blocks = lean_blocks or blocks  # the first schedule keeps the fewest microbatches
+        best, count = _search(ctx, blocks, fixed, schedule)
+        solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
+        if best is None:
+            options.append(ScheduleOption(schedule, None))
+            continue
+        found.append(build_solution(ctx, *best, schedule))
+        options.append(ScheduleOption.of(found[-1]))
+    if not found:
+        raise _no_fit_error(ctx, lean_blocks, fixed, options[0].schedule)
+    # Ties go to the schedule listed first (PLANNED_SCHEDULES: least memory first).
+    solution = min(found, key=lambda s: s.step_s)
+    solution.schedule_options = options
+    solution.candidates_solved, solution.candidates_total = solved, total
+    return solution
+
+
+def _search(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]],
+            schedule: str) -> tuple[Optional[tuple[Candidate, Split]], int]:
+    """Best-first over ``blocks``' candidates under ``schedule``: the best
+    (candidate, split), or None if nothing fits, and how many were solved."""
     lbs = np.concatenate([b.lower_bounds for b in blocks])
     starts = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
     best: Optional[tuple[Candidate, Split]] = None
@@ -60,19 +93,16 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             break
         bi = int(np.searchsorted(starts, pos, side="right")) - 1
         cand = blocks[bi].candidate(int(pos - starts[bi]))
-        prob = ctx.problem(cand)
+        prob = ctx.problem(cand, schedule)
         solved += 1
         if fixed is None:
-            split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links)
+            split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path)
         else:
-            split = evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed)
+            split = evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed,
+                                   prob.path)
         if split is not None and (best is None or split.step_s < best[1].step_s):
             best = (cand, split)
-    if best is None:
-        raise _no_fit_error(ctx, blocks, fixed)
-    solution = build_solution(ctx, *best)
-    solution.candidates_solved, solution.candidates_total = solved, len(lbs)
-    return solution
+    return best, solved
 
 
 def plan_for(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
@@ -97,8 +127,9 @@ class _Block:
                          self.micro_batch_size, self.num_microbatches)
 
 
-def _enumerate(ctx: CostContext, num_stages: Optional[int]) -> list[_Block]:
-    """Every candidate allowed by the cluster and the planner's constraints, in blocks."""
+def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> list[_Block]:
+    """Every candidate allowed by the cluster and the planner's constraints, in
+    blocks, with lower bounds on its step under ``schedule``."""
     train, planner = ctx.train, ctx.planner
     G, U = len(ctx.groups), ctx.num_units
     sizes = [g.size for g in ctx.groups]
@@ -138,8 +169,10 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int]) -> list[_Block]:
                     grid = grid[(total <= U) if num_stages is None else (total == num_stages)]
                 if not len(grid):
                     continue
-                unit_times = [ctx.unit_costs(g, tps[g], mbs, bound_mode, False).time_s for g in range(G)]
-                stage_lb, sum_lb = _balance_bounds(unit_times, grid)
+                units = [ctx.unit_costs(g, tps[g], mbs, bound_mode, False) for g in range(G)]
+                stage_lb, sum_lb = _balance_bounds([u.time_s for u in units], grid)
+                if schedule == "zb_h1":
+                    sum_lb = _zero_bubble_path_bound(ctx, units, mbs)
                 for order in orders:
                     probe = Candidate(order, tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
                     cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
@@ -169,6 +202,18 @@ def _balance_bounds(unit_times: list[np.ndarray], grid: np.ndarray) -> tuple[np.
         speed = np.max(ref[None, :] / costs[:, units], axis=1)  # (G,)
         bound = np.maximum(bound, ref.sum() / (grid @ speed))
     return bound, float(cheapest.sum())
+
+
+def _zero_bubble_path_bound(ctx: CostContext, units: list[cost.UnitCosts], mbs: int) -> float:
+    """A lower bound on zb_h1's sum_k p_k: a unit off the first stage gives
+    back at most 2 w (weight_credit <= 1); the embedding never leaves it."""
+    paths = []
+    for u in units:
+        w = schedule_model.weight_backward_s(ctx.model, mbs, ctx.train.seq_length, u.forward_s, u.backward_s)
+        path = u.time_s - 2 * w
+        path[0] = u.time_s[0]
+        paths.append(path)
+    return float(np.min(np.stack(paths), axis=0).sum())
 
 
 def _tp_options(ctx: CostContext) -> list[list[int]]:
@@ -252,7 +297,7 @@ def _no_layout_message(ctx: CostContext, num_stages: Optional[int], fixed_stages
             f"{ctx.train.global_batch_size} / {ctx.train.micro_batch_size}")
 
 
-def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[int]],
+def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[int]], schedule: str,
                   limit: int = 5000) -> ConfigError:
     """Why nothing fits: the least memory-hungry plan tried, its fullest device, and by how much.
 
@@ -266,7 +311,7 @@ def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[i
     best = None
     for block, r in lean[:limit]:
         cand = block.candidate(r)
-        prob = ctx.problem(cand)
+        prob = ctx.problem(cand, schedule)
         memory, capacity = prob.memory, prob.capacity
         ratio = memory / capacity[:, None, None]
         N = ratio.shape[1]
@@ -292,7 +337,8 @@ def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[i
         hints.append("planner.distributed_optimizer=true shards Adam's state over DP")
     if "full" not in ctx.recompute_modes and not ctx.train.compile:
         hints.append("planner.recompute=auto lets the solver recompute activations")
-    leanest = ctx.recompute_modes[-1]  # in RECOMPUTE_MODES' order: the one keeping least
+    # In RECOMPUTE_MODES' order: the last one the schedule allows keeps least.
+    leanest = schedule_model.recompute_modes(schedule, ctx.recompute_modes)[-1]
     return ConfigError(
         f"{ctx.model.name} does not fit on cluster {ctx.cluster.name!r} under {which}: even the least "
         f"memory-hungry plan ({cand.describe(ctx.names)}, recompute {leanest}) needs {need:.1f} GiB on each "

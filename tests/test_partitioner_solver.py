@@ -15,6 +15,7 @@ from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import PROFILE_FORMAT, profile_shape
+from hetpipe.partitioner.schedule_model import schedules_for
 from hetpipe.partitioner.solver import plan_for, solve
 from hetpipe.partitioner.split import best_split
 
@@ -28,18 +29,21 @@ def paper_cluster(**transport) -> ClusterConfig:
 
 
 def exhaustive(model, cluster, train, planner):
-    """Solve every candidate the solver enumerates, without pruning; also check each bound."""
+    """Solve every candidate the solver enumerates under every schedule, without
+    pruning; also check each bound."""
     ctx = CostContext(model, cluster, train, planner)
     best = None
-    for block in solver._enumerate(ctx, None):
-        for row in range(len(block.stages)):
-            cand = block.candidate(row)
-            prob = ctx.problem(cand)
-            split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links)
-            if split is None:
-                continue
-            assert block.lower_bounds[row] <= split.step_s * (1 + 1e-12)  # the bound is a bound
-            best = split.step_s if best is None else min(best, split.step_s)
+    for schedule in schedules_for(planner.schedule, planner.recompute):
+        for block in solver._enumerate(ctx, None, schedule):
+            for row in range(len(block.stages)):
+                cand = block.candidate(row)
+                prob = ctx.problem(cand, schedule)
+                split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links,
+                                   prob.path)
+                if split is None:
+                    continue
+                assert block.lower_bounds[row] <= split.step_s * (1 + 1e-12)  # the bound is a bound
+                best = split.step_s if best is None else min(best, split.step_s)
     return best
 
 

@@ -151,7 +151,7 @@ def test_plan_auto_recomputes_on_the_small_memory_group_only_and_runs(tmp_path, 
     # 3.2 MiB per "amd" CPU rank (x 0.9 headroom): its stage, two layers and
     # the head, fits only with one of its layers recomputed; "nvidia" keeps 24 GB.
     got = _train(tmp_path / "run", corpus_prefix, "cluster=cpu_mixed", "plan=auto",
-                 "+planner.memory_gib.amd=0.0032", "planner.group_order=[nvidia,amd]")
+                 "+planner.memory_gib.amd=0.0032", "planner.group_order=[nvidia,amd]", "planner.schedule=1f1b")
     assert got == reference
     plan = Plan.load(tmp_path / "run" / "plan.yaml")
     assert [(s.group, s.layers, s.recompute, s.recompute_num_layers) for s in plan.stages] == \

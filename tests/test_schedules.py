@@ -9,15 +9,14 @@ from collections import Counter
 import pytest
 
 from hetpipe.errors import ConfigError
+from hetpipe.schedule_check import ScheduleError, simulate
 from hetpipe.schedules import (
     Action,
-    ScheduleError,
     build_schedule,
     forward_only,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
-    simulate,
     zero_bubble_h1,
 )
 
