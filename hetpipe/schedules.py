@@ -39,6 +39,8 @@ SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD = "send_fwd", "recv_fwd", "send_bwd", "re
 ACTION_KINDS = (RECV_FWD, FWD, SEND_FWD, RECV_BWD, BWD, BWD_INPUT, BWD_WEIGHT, SEND_BWD)
 COMPUTE_KINDS = (FWD, BWD, BWD_INPUT, BWD_WEIGHT)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+# Schedules whose backward is split into B and W (models/split_backward.py).
+SPLIT_BACKWARD_SCHEDULES = ("zb_h1",)
 
 # (fwd|bwd, microbatch, chunk): one computation on one rank.
 Compute = tuple[str, int, int]

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from hetpipe.checkpoint import restore, save_checkpoint, should_save
 from hetpipe.comm.factory import check_transport_available
 from hetpipe.comm.vendor import accelerator_name, detect_vendor
+from hetpipe.errors import ConfigError
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
@@ -37,6 +38,7 @@ from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
+from hetpipe.models.split_backward import allow_retained_graphs
 from hetpipe.parallel.checkpoint import gather_for_save, shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
@@ -46,7 +48,7 @@ from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
 from hetpipe.profiling import profile_step
-from hetpipe.schedules import build_schedule
+from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule
 from hetpipe.topology import Topology, check_group_vendor
 
 
@@ -146,6 +148,15 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
     ranges = plan.unit_ranges()
     P = plan.pipeline_size
     chunks = []
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+        if topo.device.type != "cpu":
+            # Measured on one H100 (LLaMA-3-8B shapes, 2 layers, seq 4096, 8
+            # microbatches, docs/benchmarks.md): allocated memory grew from
+            # 30 GiB (1f1b) to 76 GiB over five zb_h1 steps and the sixth ran
+            # out of memory; losses agreed with 1f1b. Refused until that is found.
+            raise ConfigError(f"partition.schedule={plan.schedule} runs on CPU ranks only in this release: on a "
+                              "GPU its memory grew every step until it ran out (docs/benchmarks.md); use 1f1b")
+        allow_retained_graphs()
     for c in range(plan.num_chunks):
         chunk = build_model(cfg.model, seed=cfg.train.seed, units=ranges[c * P + topo.pp_rank], device=topo.device)
         if topo.tp_size > 1:

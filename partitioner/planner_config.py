@@ -40,8 +40,11 @@ class PlannerConfig:
     recompute: str = "auto"
     # Pipeline schedule (partitioner/schedule_model.py): auto takes the one
     # with the shortest predicted step that fits memory, of 1f1b, zb_h1 and
-    # gpipe (zb_h1 never with full recomputation); or one of them.
-    schedule: str = "auto"
+    # gpipe (zb_h1 never with full recomputation); or one of them. 1f1b by
+    # default: zb_h1 runs on CPU ranks only in this release (on one H100 its
+    # memory grew every step), so auto is opt-in; `plan` prints every
+    # schedule's predicted step either way.
+    schedule: str = "1f1b"
     # Fix the TP degree of every group; None searches the divisors of the head
     # counts that fit in a node.
     tp: Optional[int] = None

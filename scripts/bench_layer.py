@@ -17,7 +17,15 @@ Any variant takes a ``+BACKEND`` suffix (``fused+cudnn``, ``eager+flash``):
 the SDPA backend the layers prefer (train.attention_backend; without a suffix,
 torch's own choice), and a ``+recompute=MODE`` suffix (``fused+recompute=full``):
 activation recomputation of every layer (train.recompute: none, selective or
-full; see hetpipe/models/recompute.py). ``--unit head`` times the output head instead (final
+full; see hetpipe/models/recompute.py), and a ``+split`` suffix (``fused+split``;
+layers, eager or fused, no recomputation): besides the variant's own row, the
+backward split of the zero-bubble schedules (hetpipe/models/split_backward.py)
+timed phase by phase: F (forward), B (``backward_input``, the input gradient,
+the fused linears' weight GEMMs queued) and W (``WeightBackward.run``, the
+weight gradients), against F and the fused backward of the same layers, run
+alternately in each iteration; (B+W)/fused is the price of splitting. A split
+variant's compiled regions run without donated buffers (which forbid B's
+retain_graph), in its fused-backward timings too. ``--unit head`` times the output head instead (final
 norm, logits and the chunked cross-entropy with its gradients; Megatron's
 logits FLOPs): ``eager`` is the eager loss, ``fused`` the compiled per-chunk
 loss (what train.fuse_elementwise switches on there); a ``+chunkN`` suffix
@@ -40,20 +48,24 @@ TORCH_LOGS=recompiles,graph_breaks to see why dynamo recompiles.
   python scripts/bench_layer.py --model llama8b --unit head --variants eager,fused,fused+chunk523
   python scripts/bench_layer.py --model llama8b --seq-length 8192 --layers 4 \
       --variants fused,fused+recompute=selective,fused+recompute=full
+  python scripts/bench_layer.py --model llama8b --seq-length 8192 --layers 4 --variants fused+split
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch._functorch.config  # donated_buffer, for the split variants
 
 from hetpipe.models import build_model
 from hetpipe.models.model_config import model_preset
 from hetpipe.models.layers import ATTENTION_BACKENDS, fuse_elementwise, set_attention_backend
 from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
+from hetpipe.models.split_backward import backward_input
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
 from hetpipe.precision import Bf16Weights, compute_context
 from hetpipe.profiling import profile_step
@@ -74,20 +86,58 @@ def head_flops(cfg, seq_length: int) -> float:
     return 6.0 * seq_length * cfg.hidden_size * cfg.vocab_size
 
 
-def split_variant(variant: str) -> tuple[str, str, Optional[int], str]:
-    """``fused+cudnn+chunk512+recompute=full`` -> ("fused", "cudnn", 512, "full");
+def split_variant(variant: str) -> tuple[str, str, Optional[int], str, bool]:
+    """``fused+cudnn+chunk512+recompute=full`` -> ("fused", "cudnn", 512, "full", False);
     no backend suffix -> torch's own backend; no chunk suffix -> the loss's own
-    chunk size (None); no recompute suffix -> none."""
+    chunk size (None); no recompute suffix -> none; ``+split`` -> True."""
     kind, *suffixes = variant.split("+")
-    backend, chunk, recompute = "auto", None, "none"
+    backend, chunk, recompute, split = "auto", None, "none", False
     for suffix in suffixes:
         if suffix.startswith("chunk") and suffix[5:].isdigit() and int(suffix[5:]) > 0:
             chunk = int(suffix[5:])
         elif suffix.startswith("recompute="):
             recompute = suffix[len("recompute="):]
+        elif suffix == "split":
+            split = True
         else:
             backend = suffix
-    return kind, backend, chunk, recompute
+    return kind, backend, chunk, recompute, split
+
+
+def invalid_variant(variant: str, unit: str) -> bool:
+    kind, backend, chunk, recompute, split = split_variant(variant)
+    head = unit == "head"
+    return (kind not in VARIANTS or backend not in ATTENTION_BACKENDS or recompute not in RECOMPUTE_MODES
+            or (head and (kind == "compile" or recompute != "none" or split))
+            or (not head and chunk is not None)
+            or (kind == "compile" and (recompute != "none" or split))
+            # Recomputation would rerun the forward in B and again for W's reruns.
+            or (split and recompute != "none"))
+
+
+class Stamps:
+    """Points on the timeline the work runs on: CUDA events on a GPU (recorded
+    without waiting for the GPU), the host clock on a CPU (where work is synchronous)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.points: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def phase_ms(self, phases: int) -> list[float]:
+        """Milliseconds in each of the ``phases`` intervals between the ``phases + 1``
+        marks of every round, summed over the rounds (after a synchronize)."""
+        rounds = [self.points[i:i + phases + 1] for i in range(0, len(self.points), phases + 1)]
+        if self.cuda:
+            return [sum(r[k].elapsed_time(r[k + 1]) for r in rounds) for k in range(phases)]
+        return [sum(r[k + 1] - r[k] for r in rounds) * 1e3 for k in range(phases)]
 
 
 def run_variant(args, cfg, variant: str, device: torch.device) -> dict:
@@ -98,7 +148,7 @@ def run_variant(args, cfg, variant: str, device: torch.device) -> dict:
     torch._dynamo.utils.counters.clear()  # graphs are counted per variant
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    kind, backend, chunk_tokens, recompute = split_variant(variant)
+    kind, backend, chunk_tokens, recompute, split = split_variant(variant)
     head = args.unit == "head"
     units = (cfg.num_units - 1, cfg.num_units) if head else (1, 1 + args.layers)
     chunk = build_model(cfg, seed=1, units=units, device=device)
@@ -172,12 +222,51 @@ def run_variant(args, cfg, variant: str, device: torch.device) -> dict:
             iteration(args.microbatches)
         report = Path(args.profile) / "profile_rank0.txt"
         report.rename(report.with_name(f"profile_{variant}.txt"))
+    phases = time_split(args, forward, x, grad_y, weights, sync, cuda, per_unit) if split else None
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     result = {"variant": variant, "first_s": first_s, "ms_per_layer": ms,
               "tflops": (head_flops if head else layer_flops)(cfg, args.seq_length) / (ms * 1e-3) / 1e12,
               "kept_mib": kept_mib, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-              "graphs": graphs}
+              "graphs": graphs, "phases": phases}
     return result
+
+
+def time_split(args, forward, x: torch.Tensor, grad_y: torch.Tensor, weights: Optional[Bf16Weights], sync,
+               cuda: bool, per_unit: int) -> dict:
+    """Milliseconds per layer and microbatch of F, B and W (split backward) and
+    of F and the fused backward, each iteration running its microbatches
+    fused and then split, so that clock and thermal drift hit both alike. W
+    follows its own B at once: the cost of splitting, not a schedule's order."""
+    fused, split = Stamps(cuda), Stamps(cuda)
+
+    def microbatch_split(stamps: Stamps) -> None:
+        stamps.mark()
+        y = forward()
+        stamps.mark()
+        _, weight_backward = backward_input(y, grad_y, x)
+        stamps.mark()
+        weight_backward.run()
+        stamps.mark()
+
+    microbatch_split(Stamps(cuda))  # warm, untimed: B's and W's own kernels and graph walks
+    sync()
+    for _ in range(args.iters):
+        if weights is not None:
+            weights.refresh()
+        for _ in range(args.microbatches):
+            fused.mark()
+            y = forward()
+            fused.mark()
+            y.backward(grad_y)
+            fused.mark()
+            del y
+        for _ in range(args.microbatches):
+            microbatch_split(split)
+    sync()
+    n = args.iters * args.microbatches * per_unit
+    f_fused, backward = (ms / n for ms in fused.phase_ms(2))
+    f, b, w = (ms / n for ms in split.phase_ms(3))
+    return {"f_ms": f, "b_ms": b, "w_ms": w, "f_fused_ms": f_fused, "fused_backward_ms": backward}
 
 
 def main() -> None:
@@ -193,16 +282,12 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="directory for one profiled iteration per variant")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    unknown = [v for v in variants if split_variant(v)[0] not in VARIANTS
-               or split_variant(v)[1] not in ATTENTION_BACKENDS
-               or split_variant(v)[3] not in RECOMPUTE_MODES
-               or (args.unit == "head" and (split_variant(v)[0] == "compile" or split_variant(v)[3] != "none"))
-               or (args.unit != "head" and split_variant(v)[2] is not None)
-               or (split_variant(v)[0] == "compile" and split_variant(v)[3] != "none")]
+    unknown = [v for v in variants if invalid_variant(v, args.unit)]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)} (not compile with "
                      f"--unit head), each optionally +BACKEND with BACKEND one of {', '.join(ATTENTION_BACKENDS[1:])},"
-                     f" +recompute=MODE with MODE one of {', '.join(RECOMPUTE_MODES)} (layers, not compile)"
+                     f" +recompute=MODE with MODE one of {', '.join(RECOMPUTE_MODES)} (layers, not compile),"
+                     f" +split (layers, eager or fused, no recompute)"
                      f" and, with --unit head, +chunkN (N tokens per loss chunk)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = model_preset(args.model)
@@ -211,7 +296,13 @@ def main() -> None:
           f"{'the head' if args.unit == 'head' else f'{args.layers} layers'} x {args.microbatches} microbatches x {args.iters} timed iterations", flush=True)
     rows = []
     for variant in variants:
-        rows.append(run_variant(args, cfg, variant, device))
+        # B keeps the graph for W (retain_graph), which compiled backwards
+        # refuse when they reuse ("donate") saved buffers; the split variant's
+        # fused-backward timings run under the same setting, so the two compare.
+        donation = (torch._functorch.config.patch(donated_buffer=False) if split_variant(variant)[4]
+                    else contextlib.nullcontext())
+        with donation:
+            rows.append(run_variant(args, cfg, variant, device))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the variant's model is gone
         print(rows[-1], flush=True)
@@ -223,6 +314,16 @@ def main() -> None:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         print(f"| {r['variant']} | {r['first_s']:.1f} | {r['ms_per_layer']:.2f} | {r['tflops']:.1f} | "
               f"{base['ms_per_layer'] / r['ms_per_layer']:.3f} | {r['kept_mib']:.1f} | {peak} | {r['graphs']} |")
+    split_rows = [r for r in rows if r["phases"]]
+    if split_rows:
+        print("\nBackward split (zero-bubble B and W) against the fused backward, ms per layer-microbatch:")
+        print("| variant | F ms | B ms | W ms | B+W ms | F ms (fused run) | fused backward ms | (B+W)/fused |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in split_rows:
+            ph = r["phases"]
+            bw = ph["b_ms"] + ph["w_ms"]
+            print(f"| {r['variant']} | {ph['f_ms']:.2f} | {ph['b_ms']:.2f} | {ph['w_ms']:.2f} | {bw:.2f} | "
+                  f"{ph['f_fused_ms']:.2f} | {ph['fused_backward_ms']:.2f} | {bw / ph['fused_backward_ms']:.3f} |")
 
 
 if __name__ == "__main__":

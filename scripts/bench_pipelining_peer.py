@@ -1,7 +1,23 @@
 #!/usr/bin/env python
 """Peer reference for the two-GPU benchmark: the same model, weights, data and
 optimizer as ``python -m hetpipe.pretrain``, pipelined by PyTorch's own
-``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B``).
+``torch.distributed.pipelining`` (``PipelineStage`` + one of its schedules).
+
+``--schedule`` picks the schedule among those that run one stage per rank
+(the peer's split is hetpipe's: one stage module per GPU):
+
+  1f1b              Schedule1F1B (the default)
+  gpipe             ScheduleGPipe
+  interleaved_1f1b  ScheduleInterleaved1F1B with one local stage (1F1B through
+                    the multi-stage runtime)
+  looped_bfs        ScheduleLoopedBFS with one local stage (GPipe's order)
+  interleaved_zb    ScheduleInterleavedZeroBubble with one local stage: the
+                    backward split into input and weight gradients, the
+                    latter filling the bubbles (ZB-H1 at PP2, hetpipe's zb_h1)
+
+ScheduleZBVZeroBubble and ScheduleDualPipeV need two stage modules per rank
+in a V (stages 0 and 3 on rank 0, 1 and 2 on rank 1), which this peer does
+not build; ``--schedule zbv`` / ``dualpipev`` is refused with that reason.
 
 The script spawns its two ranks itself (NCCL with one GPU per rank on
 ``--device cuda``, gloo on ``--device cpu``). Rank r builds stage r exactly as
@@ -32,7 +48,7 @@ forward and the loss (the forward only, as our engine does), or
 Output: one JSON line per step on stdout (loss from the last stage, step time,
 tokens/s, TFLOP/s per GPU by Megatron's formula, peak memory per rank), a
 summary line over the steps after ``--warmup``, and ``--out`` as
-``{"name": "pipelining_1f1b", "status": "ok"|"oom", "tokens_per_s",
+``{"name": "pipelining_<schedule>", "status": "ok"|"oom", "tokens_per_s",
 "tflops_per_gpu", "peak_mem_gib": [r0, r1], "losses": [...], ...}``. A CUDA
 out-of-memory on either rank is a result (``"status": "oom"``, with the rank,
 step and message), not a crash.
@@ -62,6 +78,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed import pipelining
 from torch import nn
 
 from hetpipe.data import MicrobatchLoader, demo_corpus
@@ -73,7 +90,13 @@ from hetpipe.partitioner.plan import Plan, StagePlan, even_split
 from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.trainer import build_optimizer, lr_at, seed_everything
 
-NAME = "pipelining_1f1b"
+# --schedule -> torch.distributed.pipelining class, each run with one stage per rank.
+SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+# The multi-stage runtime's classes, which take a list of this rank's stages.
+MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "interleaved_zb"}
+# Schedules that need two stage modules per rank (a V placement): not built here.
+TWO_STAGES_PER_RANK = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 NUM_STAGES = 2
 GIB = 2**30
 
@@ -124,6 +147,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--opt", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="OptimizerConfig overrides, e.g. --opt lr=3e-4 clip_grad=0 lr_warmup_iters=5")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--schedule", default="1f1b", choices=[*SCHEDULES, *TWO_STAGES_PER_RANK],
+                   help="torch.distributed.pipelining schedule (zbv and dualpipev are refused: they need two "
+                        "stage modules per rank)")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--bf16-weights", action="store_true",
                    help="bf16 parameters (no autocast) instead of fp32 master weights + bf16 autocast")
@@ -145,8 +171,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup {args.warmup} must leave at least one of the {args.steps} steps to measure")
+    if args.schedule in TWO_STAGES_PER_RANK:
+        p.error(f"--schedule {args.schedule} ({TWO_STAGES_PER_RANK[args.schedule]}) needs two stage modules per "
+                f"rank in a V placement; this peer runs one stage per rank: choose from {', '.join(SCHEDULES)}")
+    if not hasattr(pipelining, SCHEDULES[args.schedule]):
+        p.error(f"this torch ({torch.__version__}) has no {SCHEDULES[args.schedule]}")
+    if args.schedule == "interleaved_zb" and args.compile:
+        p.error("--schedule interleaved_zb cannot --compile: torch's input/weight backward split refuses "
+                "compiled stages")
     if args.microbatches < NUM_STAGES:
-        p.error(f"Schedule1F1B needs at least {NUM_STAGES} microbatches")
+        p.error(f"{SCHEDULES[args.schedule]} needs at least {NUM_STAGES} microbatches")
+    rounds = max(1, args.microbatches // NUM_STAGES)
+    if args.schedule in ("interleaved_1f1b", "interleaved_zb") and args.microbatches % rounds:
+        p.error(f"{SCHEDULES[args.schedule]} needs the microbatches ({args.microbatches}) to be a multiple of "
+                f"its rounds ({rounds}): an even number")
     return args
 
 
@@ -354,8 +392,6 @@ def run_rank(rank: int, opts: argparse.Namespace, port: int, workdir: str) -> No
 
 
 def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: str) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
     cfg = model_config(opts)
     opt_cfg = optimizer_config(opts)
     plan = make_plan(opts.layers, cfg.num_layers)
@@ -393,9 +429,11 @@ def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: s
                            else (tuple(input_meta.shape), str(input_meta.dtype)))
     if boundary[0] != boundary[1]:
         raise RuntimeError(f"stage 0 sends {boundary[0]} but stage 1 expects {boundary[1]}")
-    stage = PipelineStage(module, stage_index=rank, num_stages=NUM_STAGES, device=device,
+    stage = pipelining.PipelineStage(module, stage_index=rank, num_stages=NUM_STAGES, device=device,
                           input_args=input_meta, output_args=output_meta)
-    schedule = Schedule1F1B(stage, n_microbatches=opts.microbatches, loss_fn=loss_fn)
+    schedule_class = getattr(pipelining, SCHEDULES[opts.schedule])
+    schedule = schedule_class([stage] if opts.schedule in MULTI_STAGE else stage,
+                              n_microbatches=opts.microbatches, loss_fn=loss_fn)
     step_kwargs = {}
     if "return_outputs" in inspect.signature(schedule.step).parameters:
         step_kwargs["return_outputs"] = opts.return_outputs
@@ -415,7 +453,7 @@ def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: s
         if opts.head_in_loss:
             head = "in loss_fn" + (" (fused CE)" if opts.fused_ce else "")
         print(f"bench_pipelining_peer: {cfg.name} ({cfg.num_parameters() / 1e6:.1f}M parameters), layers "
-              f"{[s.layers for s in plan.stages]}, Schedule1F1B over {opts.microbatches} microbatches of "
+              f"{[s.layers for s in plan.stages]}, {SCHEDULES[opts.schedule]} over {opts.microbatches} microbatches of "
               f"{opts.micro_batch_size}x{opts.seq_length}, {precision}, head {head}, "
               f"return_outputs={opts.return_outputs}, torch {torch.__version__}, {device.type}", flush=True)
 
@@ -485,7 +523,8 @@ def _free_port() -> int:
 def summarise(opts: argparse.Namespace, cfg, plan, records: list[dict], oom: Optional[dict]) -> dict:
     measured = [r for r in records if not r["warmup"]]
     result: dict[str, Any] = {
-        "name": NAME,
+        "name": f"pipelining_{opts.schedule}",
+        "schedule": SCHEDULES[opts.schedule],
         "status": "oom" if oom else "ok",
         "model": cfg.name,
         "model_config": cfg.to_dict(),

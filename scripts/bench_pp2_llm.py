@@ -10,8 +10,8 @@ variant, each through the user's entry point (``python -m hetpipe.pretrain``):
   tcp1     the same with 1 stream
   gloo     the boundary over torch.distributed's gloo (host staging)
   peer     the same model, split, data, microbatches and precision through
-           PyTorch's torch.distributed.pipelining Schedule1F1B
-           (scripts/bench_pipelining_peer.py)
+           PyTorch's torch.distributed.pipelining (scripts/bench_pipelining_peer.py),
+           once per schedule of --peer-schedules (default 1f1b: Schedule1F1B)
   tp2      one stage, TP=2 over both GPUs in one NVIDIA group; on 4/8 GPUs TP2
            inside the first vendor group only (its stage TP2, the other group's TP1)
   nccl_ra2 nccl with two receives posted ahead of use (partition.recv_ahead=2;
@@ -27,7 +27,13 @@ layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true);
 (cluster.transport.nccl_max_ctas=N) and ``+smN`` leaves N SMs free of GEMMs
 for them (cluster.transport.gemm_sm_carveout=N; sm0: none); ``+pure`` runs hetpipe in
 train.precision=bf16-pure, the peer's own precision (bf16 parameters,
-gradients and AdamW state), beside the default.
+gradients and AdamW state), beside the default. ``+sched=NAME`` picks the
+pipeline schedule: on a hetpipe variant partition.schedule=NAME (gpipe, 1f1b
+or zb_h1; ``nccl+sched=zb_h1`` is zero bubble over NCCL), on ``peer`` the
+peer's --schedule (1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zb;
+see the peer's docstring). A bare ``peer`` runs once per --peer-schedules
+entry, as ``peer`` (1f1b) and ``peer+sched=NAME``; the table's "x peer" ratio
+is against the 1F1B peer.
 ``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
 peer then gets bf16 weights). The first ``--warmup`` steps are not timed (they
 include kernel loading and compilation); ``--profile`` adds one more, untimed,
@@ -59,10 +65,16 @@ from hetpipe.errors import HetpipeError
 from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.solver import solve
 from hetpipe.pretrain_config import resolve
+from hetpipe.schedules import SCHEDULES
+
+# The peer script sits beside this one (sys.path[0] when run as a script).
+from bench_pipelining_peer import SCHEDULES as PEER_SCHEDULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
+# hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.
+HETPIPE_SCHEDULES = tuple(name for name in SCHEDULES if name != "interleaved_1f1b")
 
 # Both hetpipe and the peer follow this optimizer schedule: lr 3e-4 (the
 # default) after 2000 warmup steps, as in a real LLaMA-3-8B run's first steps.
@@ -115,7 +127,7 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
         return None, f"no run config: {exc}"
     physical = plan.stages[: plan.pipeline_size]
     tps = {s.tp for s in physical}
-    if len(tps) > 1 or plan.num_chunks > 1:
+    if len(tps) > 1 or plan.num_chunks > 1 or plan.schedule != "1f1b":
         return None, "the planner fixes one TP degree for all groups and plans 1F1B only"
     kind = cfg.cluster.transport.kind
     planner = dataclasses.replace(
@@ -130,7 +142,7 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
         return None, str(exc)
 
 
-def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
+def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path) -> dict:
     layers = "[" + args.layers + "]"
     # --microbatches is per DP replica: the per-GPU batch stays that of the 2-GPU run.
     replicas = 1 if args.gpus == 2 else (args.gpus // 4 if variant == "tp2" else args.gpus // 2)
@@ -141,7 +153,7 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
                  f"train.compile={'compile' in flags}",
                  *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
                  f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
-                 f"optimizer.distributed={'zero1' in flags}",
+                 f"optimizer.distributed={'zero1' in flags}", f"partition.schedule={schedule}",
                  *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
                  *[f"cluster.transport.gemm_sm_carveout={f[2:]}" for f in flags if f.startswith("sm")],
                  *[f"optimizer.{k}={v}" for k, v in OPTIMIZER.items()],
@@ -172,14 +184,14 @@ def run_hetpipe(args, variant: str, flags: set[str], out: Path) -> dict:
     return result
 
 
-def run_peer(args, compiled: bool, out: Path) -> dict:
+def run_peer(args, compiled: bool, schedule: str, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     result_path = out / "result.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_pipelining_peer.py"), "--model", args.model,
            "--layers", args.layers, "--seq-length", str(args.seq_length),
            "--micro-batch-size", str(args.micro_batch_size), "--microbatches", str(args.microbatches),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--data", args.data,
-           "--device", "cuda", "--out", str(result_path), "--opt", *[f"{k}={v}" for k, v in OPTIMIZER.items()]]
+           "--device", "cuda", "--schedule", schedule, "--out", str(result_path), "--opt", *[f"{k}={v}" for k, v in OPTIMIZER.items()]]
     for item in args.set:
         if item.startswith("model."):
             cmd += ["--set", item.removeprefix("model.")]
@@ -275,6 +287,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--data", default="demo")
     p.add_argument("--variants", default="nccl,direct,tcp4,tcp1,gloo,peer")
+    p.add_argument("--peer-schedules", default="1f1b",
+                   help=f"comma-separated schedules a bare peer variant runs, one run each: "
+                        f"{', '.join(PEER_SCHEDULES)}")
     p.add_argument("--gpus", type=int, default=2, choices=[2, 4, 8],
                    help="local GPUs: 2 = PP2; 4/8 = PP2 x DP2/DP4 over two vendor groups")
     p.add_argument("--precision", default="bf16", choices=["bf16", "bf16-pure", "bf16-autocast"],
@@ -289,24 +304,44 @@ def main() -> None:
         p.error("--steps must exceed --warmup")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
+    peer_schedules = args.peer_schedules.split(",")
+    if set(peer_schedules) - set(PEER_SCHEDULES):
+        p.error(f"unknown --peer-schedules {sorted(set(peer_schedules) - set(PEER_SCHEDULES))}; choose from "
+                f"{', '.join(PEER_SCHEDULES)} (the peer refuses the schedules with two stages per rank)")
+    variants = []
     for variant in args.variants.split(","):
+        if variant == "peer":
+            variants += ["peer" if s == "1f1b" else f"peer+sched={s}" for s in peer_schedules]
+        else:
+            variants.append(variant)
+    # Every variant checked before the first runs (each takes minutes on GPUs).
+    runs = []
+    for variant in variants:
         base, *rest = variant.split("+")
         flags = set(rest)
         nccl_flags = {f for f in flags if re.fullmatch(r"cta[1-9][0-9]*|sm[0-9]+", f)}
-        if (base not in VARIANTS and base != "peer") or flags - {"compile", "zero1", "pure"} - nccl_flags \
+        sched_flags = {f for f in flags if f.startswith("sched=")}
+        schedules = PEER_SCHEDULES if base == "peer" else HETPIPE_SCHEDULES
+        if (base not in VARIANTS and base != "peer") \
+                or flags - {"compile", "zero1", "pure"} - nccl_flags - sched_flags \
                 or (nccl_flags and not base.startswith("nccl")) \
                 or len(nccl_flags) > len({f[:2] for f in nccl_flags}) \
+                or len(sched_flags) > 1 or any(f.removeprefix("sched=") not in schedules for f in sched_flags) \
                 or (base == "peer" and "pure" in flags):
             p.error(f"unknown variant {variant!r}; choose from {list(VARIANTS) + ['peer']}, "
-                    "optionally with +compile, +zero1, +pure (not the peer: it is pure bf16 already) "
+                    "optionally with +compile, +zero1, +pure (not the peer: it is pure bf16 already), "
+                    f"+sched=NAME (hetpipe: {', '.join(HETPIPE_SCHEDULES)}; peer: {', '.join(PEER_SCHEDULES)}) "
                     "and (nccl only) +ctaN and +smN")
         if base == "peer" and args.gpus != 2:
             p.error("the pipelining peer runs on two GPUs only")
+        runs.append((variant, base, flags, next((f.removeprefix("sched=") for f in sched_flags), "1f1b")))
+    results: dict[str, dict] = {}
+    for variant, base, flags, schedule in runs:
         print(f"== {variant}", flush=True)
-        run_dir = out / variant.replace("+", "_")
-        results[variant] = (run_peer(args, "compile" in flags, run_dir) if base == "peer"
-                            else run_hetpipe(args, base, flags, run_dir))
+        # No "=" in the directory: it goes into hydra.run.dir's override.
+        run_dir = out / variant.replace("+", "_").replace("=", "-")
+        results[variant] = (run_peer(args, "compile" in flags, schedule, run_dir) if base == "peer"
+                            else run_hetpipe(args, base, flags, schedule, run_dir))
         r = results[variant]
         print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  TFLOP/s/GPU {r.get('tflops_per_gpu')}  "
               f"peak mem {r.get('peak_mem_gib')}", flush=True)

@@ -17,7 +17,7 @@ def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, corpus_pre
            "--set", "model.hidden_size=64", "--set", "model.ffn_hidden_size=160"]
     proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(out), "--gpus", "4",
                            "--model", "tiny_llama", "--seq-length", "32", "--microbatches", "4", "--layers", "2,2",
-                           "--steps", "3", "--data", corpus_prefix, "--variants", "tcp4+zero1+pure,tp2", *cpu],
+                           "--steps", "3", "--data", corpus_prefix, "--variants", "tcp4+zero1+pure,tp2+sched=zb_h1", *cpu],
                           cwd=REPO, text=True, capture_output=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())["results"]
@@ -31,15 +31,21 @@ def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, corpus_pre
     assert "lr_warmup_iters: 2000" in config
     # ...and the cost model predicted that plan's step.
     assert pp_dp["predicted_step_s"] > 0
-    # TP2 in the first group only: three stages; the planner cannot express per-group TP.
-    assert results["tp2"]["rc"] == 0 and results["tp2"]["predicted_step_s"] is None
-    assert "one TP degree" in results["tp2"]["predicted_note"]
+    # TP2 in the first group only, three stages, zero bubble; the planner
+    # expresses neither per-group TP nor ZB-H1.
+    zb = results["tp2+sched=zb_h1"]
+    assert zb["rc"] == 0 and zb["predicted_step_s"] is None and "one TP degree" in zb["predicted_note"]
+    assert "schedule: zb_h1" in (out / "tp2_sched-zb_h1" / "config.yaml").read_text()
     table = (out / "results.md").read_text()
     assert "| tcp4+zero1+pure |" in table and "step s (predicted)" in table
 
 
 def test_bench_driver_refuses_unknown_variants_and_misplaced_flags(tmp_path):
-    for variant in ("direct+cta2", "nccl+cta0", "nccl+fast", "peer+pure", "direct+sm4", "nccl+sm4+sm2"):
+    for variant in ("direct+cta2", "nccl+cta0", "nccl+fast", "peer+pure", "direct+sm4", "nccl+sm4+sm2",
+                    "nccl+sched=interleaved_1f1b", "peer+sched=zb_h1", "nccl+sched=gpipe+sched=zb_h1"):
         proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(tmp_path),
                                "--variants", variant], cwd=REPO, text=True, capture_output=True, timeout=60)
         assert proc.returncode == 2 and f"unknown variant {variant!r}" in proc.stderr and "+ctaN" in proc.stderr
+    proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(tmp_path), "--variants", "peer",
+                           "--peer-schedules", "1f1b,zbv"], cwd=REPO, text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 2 and "unknown --peer-schedules ['zbv']" in proc.stderr

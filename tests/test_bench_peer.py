@@ -1,7 +1,7 @@
 """The torch.distributed.pipelining peer trains the same model on the same data as we do.
 
-``scripts/bench_pipelining_peer.py`` runs PyTorch's own Schedule1F1B over two
-spawned ranks (gloo on a CPU here). Its per-step losses must equal our
+``scripts/bench_pipelining_peer.py`` runs PyTorch's own Schedule1F1B (or
+another of its schedules, ``--schedule``) over two spawned ranks (gloo on a CPU here). Its per-step losses must equal our
 single-process trainer's (same seed, weights, data order, optimizer and LR
 schedule) to fp32 rounding: the two differ only in summation orders.
 """
@@ -76,6 +76,22 @@ def test_head_in_loss_fused_ce_trains_the_same(tmp_path, corpus_prefix, ours):
                       name="head_in_loss")
     assert result["head"] == "loss_fn-fused" and result["return_outputs"] is False
     assert result["losses"] == pytest.approx(ours[0], rel=1e-5)
+
+
+def test_zero_bubble_schedule_trains_the_same(tmp_path, corpus_prefix, ours):
+    # ScheduleInterleavedZeroBubble with one stage per rank: the backward split
+    # into input and weight gradients changes the order of work, not the sums.
+    result, _ = _peer(tmp_path, corpus_prefix, "--schedule", "interleaved_zb", name="zb")
+    assert result["name"] == "pipelining_interleaved_zb" and result["schedule"] == "ScheduleInterleavedZeroBubble"
+    assert result["losses"] == pytest.approx(ours[0], rel=1e-5)
+
+
+def test_two_stages_per_rank_schedules_are_refused():
+    proc = subprocess.run([sys.executable, "scripts/bench_pipelining_peer.py", "--model", "tiny_llama",
+                           "--device", "cpu", "--schedule", "zbv"], cwd=REPO, text=True, capture_output=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "ScheduleZBVZeroBubble) needs two stage modules per rank" in proc.stderr and "interleaved_zb" in proc.stderr
 
 
 def test_out_of_memory_is_a_result(tmp_path, corpus_prefix):

@@ -13,7 +13,9 @@ TINY = ["+model=tiny_llama", "cluster=cpu_mixed", "train.seq_length=64", "train.
 
 
 def test_plan_prints_the_table_and_writes_a_loadable_plan(tmp_path):
-    proc = run_cli(["-m", "hetpipe.plan", *PAPER, f"hydra.run.dir={tmp_path}"], timeout=120)
+    # planner.schedule=auto: every schedule is priced and the fastest chosen
+    # (the default, 1f1b, prices that one only).
+    proc = run_cli(["-m", "hetpipe.plan", *PAPER, "planner.schedule=auto", f"hydra.run.dir={tmp_path}"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for column in ("stage", "group", "device", "ranks", "TPxDP", "layers", "compute", "comm", "bubble",
@@ -32,7 +34,8 @@ def test_plan_prints_the_table_and_writes_a_loadable_plan(tmp_path):
     assert "(chosen)" in lines[plan.schedule]
     assert plan.notes["predicted_step_s"] == min(plan.notes["predicted_step_s_by_schedule"].values())
     # Deterministic: the same command writes the same plan.
-    again = run_cli(["-m", "hetpipe.plan", *PAPER, f"hydra.run.dir={tmp_path / 'again'}"], timeout=120)
+    again = run_cli(["-m", "hetpipe.plan", *PAPER, "planner.schedule=auto", f"hydra.run.dir={tmp_path / 'again'}"],
+                    timeout=120)
     assert (tmp_path / "again" / "plan.yaml").read_text() == (tmp_path / "plan.yaml").read_text(), again.stderr
 
 

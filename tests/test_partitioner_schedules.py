@@ -79,7 +79,7 @@ def test_zero_bubble_step_is_shorter_by_the_modelled_bubble(P):
 
 def test_auto_picks_zero_bubble_where_it_fits_and_1f1b_where_memory_forbids_it():
     fixed = dict(tp=1, dp=8, stages=[1, 1], group_order=["nvidia", "amd"], recompute="none")
-    roomy = solve(MODEL, _paper(), TRAIN, PlannerConfig(**fixed), [16, 16])
+    roomy = solve(MODEL, _paper(), TRAIN, PlannerConfig(schedule="auto", **fixed), [16, 16])
     assert roomy.schedule == "zb_h1"
     options = {o.schedule: o for o in roomy.schedule_options}
     assert list(options) == ["1f1b", "zb_h1", "gpipe"]
@@ -92,7 +92,7 @@ def test_auto_picks_zero_bubble_where_it_fits_and_1f1b_where_memory_forbids_it()
     last_1f1b, last_zb = one_f.stages[1].memory_gib, roomy.stages[1].memory_gib
     assert last_zb > last_1f1b
     cap = (last_1f1b + last_zb) / 2 / 0.9
-    tight = solve(MODEL, _paper(), TRAIN, PlannerConfig(**fixed, memory_gib={"amd": cap}), [16, 16])
+    tight = solve(MODEL, _paper(), TRAIN, PlannerConfig(schedule="auto", **fixed, memory_gib={"amd": cap}), [16, 16])
     assert tight.schedule == "1f1b" and tight.step_s == pytest.approx(one_f.step_s)
     assert {o.schedule: o.step_s for o in tight.schedule_options}["zb_h1"] is None
 
