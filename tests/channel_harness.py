@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hetpipe.comm.channel import ChannelError, ChannelTimeout
+
 CTX = multiprocessing.get_context("spawn")
 NAMES = {0: "stage 0 (group nvidia, rank 0)", 1: "stage 1 (group amd, rank 1)", 2: "stage 2 (group amd, rank 2)"}
 
@@ -67,3 +69,44 @@ class Ranks:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
+
+
+# Three messages a receiver expecting float32[2, 3, 4] for bwd microbatches
+# 0, 1, 2 must refuse (wrong shape, wrong dtype, wrong microbatch), then the
+# right one for microbatch 3: the stream must recover after the refusals.
+WRONG_THEN_RIGHT = ((torch.ones(2, 3, 5), 0), (torch.ones(2, 3, 4, dtype=torch.bfloat16), 1),
+                    (torch.ones(2, 3, 4), 7), (torch.full((2, 3, 4), 9.0), 3))
+_EXPECTED = ("stage 0 (group nvidia, rank 0) expected bwd microbatch {} float32[2, 3, 4] "
+             "from stage 1 (group amd, rank 1), received ")
+MISMATCH_ERRORS = [_EXPECTED.format(0) + "bwd microbatch 0 float32[2, 3, 5]",
+                   _EXPECTED.format(1) + "bwd microbatch 1 bfloat16[2, 3, 4]",
+                   _EXPECTED.format(2) + "bwd microbatch 7 float32[2, 3, 4]"]
+
+
+def send_wrong_then_right(ch) -> list[str]:
+    """Stage 1's side: send :data:`WRONG_THEN_RIGHT` to rank 0; what each send handle said."""
+    out = []
+    for tensor, mb in WRONG_THEN_RIGHT:
+        try:
+            ch.isend(tensor, 0, microbatch=mb, kind="bwd").wait()
+            out.append("sent")
+        except ChannelError as exc:
+            out.append(str(exc))
+    return out
+
+
+def receive_wrong_then_right(ch) -> list[str]:
+    """Stage 0's side: each refused receive's error (never a timeout), then
+    check that the right message still arrives."""
+    errors = []
+    for mb in (0, 1, 2):
+        try:
+            ch.irecv(torch.empty(2, 3, 4), 1, microbatch=mb, kind="bwd").wait(10.0)
+            errors.append("received")
+        except ChannelError as exc:
+            assert not isinstance(exc, ChannelTimeout), exc
+            errors.append(str(exc))
+    last = torch.empty(2, 3, 4)
+    ch.irecv(last, 1, microbatch=3, kind="bwd").wait(10.0)
+    assert torch.equal(last, torch.full((2, 3, 4), 9.0)), "the stream did not recover"
+    return errors

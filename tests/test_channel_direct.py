@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from channel_harness import NAMES, Ranks, bits_equal, make
+from channel_harness import (MISMATCH_ERRORS, NAMES, Ranks, bits_equal, make, receive_wrong_then_right,
+                             send_wrong_then_right)
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
 from hetpipe.comm.direct import DirectChannel, make_mover
 from hetpipe.comm.handshake import CHALLENGE_SIZE, FINAL_SIZE, NONCE_SIZE, PROOF_SIZE, encode_hello, encode_proof
@@ -86,15 +87,7 @@ def _interleave(ch: DirectChannel, rank: int, count: int) -> list[int]:
 def send_wrong(rank: int, store) -> list[str]:
     """Stage 1 sends three wrong messages and one right one; reports what its send handles said."""
     with channel(rank, store) as ch:
-        out = []
-        for tensor, mb in ((torch.ones(2, 3, 5), 0), (torch.ones(2, 3, 4, dtype=torch.bfloat16), 1),
-                           (torch.ones(2, 3, 4), 7), (torch.full((2, 3, 4), 9.0), 3)):
-            try:
-                ch.isend(tensor, 0, microbatch=mb, kind="bwd").wait()
-                out.append("sent")
-            except ChannelError as exc:
-                out.append(str(exc))
-        return out
+        return send_wrong_then_right(ch)
 
 
 def connect_then_idle(rank: int, store, seconds: float) -> str:
@@ -276,23 +269,9 @@ def test_repeated_receives_of_one_shape_reuse_one_registered_region():
 def test_header_mismatch_fails_both_sides_naming_both_stages():
     with Ranks(send_wrong, [1]) as ranks:
         with channel(0, ranks.store) as ch:
-            errors = []
-            for mb in (0, 1, 2):
-                try:
-                    ch.irecv(torch.empty(2, 3, 4), 1, microbatch=mb, kind="bwd").wait(10.0)
-                    errors.append("received")
-                except ChannelError as exc:
-                    assert not isinstance(exc, ChannelTimeout)
-                    errors.append(str(exc))
-            last = torch.empty(2, 3, 4)
-            ch.irecv(last, 1, microbatch=3, kind="bwd").wait(10.0)
-            assert torch.equal(last, torch.full((2, 3, 4), 9.0)), "the stream did not recover"
+            errors = receive_wrong_then_right(ch)
         sender = ranks.results()[1]
-    prefix = ("stage 0 (group nvidia, rank 0) expected bwd microbatch {} float32[2, 3, 4] "
-              "from stage 1 (group amd, rank 1), received ")
-    expected = [prefix.format(0) + "bwd microbatch 0 float32[2, 3, 5]",
-                prefix.format(1) + "bwd microbatch 1 bfloat16[2, 3, 4]",
-                prefix.format(2) + "bwd microbatch 7 float32[2, 3, 4]"]
+    expected = MISMATCH_ERRORS
     assert errors == expected  # the receiver's pending handles failed with the sender's words
     assert sender == expected + ["sent"]  # the sender detected it
 

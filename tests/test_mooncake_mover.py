@@ -19,7 +19,8 @@ import time
 import pytest
 import torch
 
-from channel_harness import NAMES, Ranks, bits_equal, make
+from channel_harness import (MISMATCH_ERRORS, NAMES, Ranks, bits_equal, make, receive_wrong_then_right,
+                             send_wrong_then_right)
 from cluster_nodes import JOB, metrics, start_nodes, wait_all
 from conftest import run_pretrain
 from emulated_nodes import emulated_nodes, make_emulated_nodes, netns_available  # noqa: F401
@@ -91,17 +92,9 @@ def receive_forged_then_real(rank: int, store) -> list[str]:
 
 
 def send_wrong(rank: int, store) -> list[str]:
-    """Send three messages the receiver does not expect, then the right one; report what each send said."""
-    out = []
+    """Stage 1 sends three wrong messages and one right one; reports what its send handles said."""
     with channel(rank, store) as ch:
-        for tensor, mb in ((torch.ones(2, 3, 5), 0), (torch.ones(2, 3, 4, dtype=torch.bfloat16), 1),
-                           (torch.ones(2, 3, 4), 7), (torch.full((2, 3, 4), 9.0), 3)):
-            try:
-                ch.isend(tensor, 0, microbatch=mb, kind="bwd").wait()
-                out.append("sent")
-            except ChannelError as exc:
-                out.append(str(exc))
-    return out
+        return send_wrong_then_right(ch)
 
 
 def post_big_receive_then_wait(rank: int, store) -> str:
@@ -187,22 +180,9 @@ def test_round_trip_is_bit_exact_and_registers_each_size_once():
 def test_header_mismatch_fails_both_sides_naming_both_stages():
     with Ranks(send_wrong, [1], timeout=45.0) as ranks:
         with channel(0, ranks.store) as ch:
-            errors = []
-            for mb in (0, 1, 2):
-                try:
-                    ch.irecv(torch.empty(2, 3, 4), 1, microbatch=mb, kind="bwd").wait(10.0)
-                    errors.append("received")
-                except ChannelError as exc:
-                    errors.append(str(exc))
-            last = torch.empty(2, 3, 4)
-            ch.irecv(last, 1, microbatch=3, kind="bwd").wait(10.0)
-            assert torch.equal(last, torch.full((2, 3, 4), 9.0)), "the stream did not recover"
+            errors = receive_wrong_then_right(ch)
         sender = ranks.results()[1]
-    prefix = ("stage 0 (group nvidia, rank 0) expected bwd microbatch {} float32[2, 3, 4] "
-              "from stage 1 (group amd, rank 1), received ")
-    expected = [prefix.format(0) + "bwd microbatch 0 float32[2, 3, 5]",
-                prefix.format(1) + "bwd microbatch 1 bfloat16[2, 3, 4]",
-                prefix.format(2) + "bwd microbatch 7 float32[2, 3, 4]"]
+    expected = MISMATCH_ERRORS
     assert errors == expected
     assert sender == expected + ["sent"]
 
