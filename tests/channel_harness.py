@@ -13,6 +13,15 @@ import torch.distributed as dist
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
 
 CTX = multiprocessing.get_context("spawn")
+# Dtypes and shapes every mover must carry bit-exact, empty and 0-d included.
+CASES = [
+    (torch.float32, (2, 64, 128)),
+    (torch.bfloat16, (3, 5, 7)),
+    (torch.int64, (1000,)),
+    (torch.float32, (0, 4)),
+    (torch.float64, ()),
+    (torch.float32, (4 * 1024 * 1024,)),  # 16 MiB
+]
 NAMES = {0: "stage 0 (group nvidia, rank 0)", 1: "stage 1 (group amd, rank 1)", 2: "stage 2 (group amd, rank 2)"}
 
 

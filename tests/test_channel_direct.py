@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from channel_harness import (MISMATCH_ERRORS, NAMES, Ranks, bits_equal, make, receive_wrong_then_right,
+from channel_harness import (CASES, MISMATCH_ERRORS, NAMES, Ranks, bits_equal, make, receive_wrong_then_right,
                              send_wrong_then_right)
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
 from hetpipe.comm.direct import DirectChannel, make_mover
@@ -30,15 +30,6 @@ from hetpipe.comm.shm_mover import ShmMover
 
 TOKEN = "job-2718-secret"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU IPC mover needs a GPU")
-
-CASES = [
-    (torch.float32, (2, 64, 128)),
-    (torch.bfloat16, (3, 5, 7)),
-    (torch.int64, (1000,)),
-    (torch.float32, (0, 4)),
-    (torch.float64, ()),
-    (torch.float32, (4 * 1024 * 1024,)),  # 16 MiB
-]
 
 
 def my_segments() -> list[str]:

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from channel_harness import (MISMATCH_ERRORS, NAMES, Ranks, bits_equal, make, receive_wrong_then_right,
+from channel_harness import (CASES, MISMATCH_ERRORS, NAMES, Ranks, bits_equal, make, receive_wrong_then_right,
                              send_wrong_then_right)
 from cluster_nodes import JOB, metrics, start_nodes, wait_all
 from conftest import run_pretrain
@@ -34,14 +34,6 @@ TOKEN = "job-2718-secret"
 MISSING = unavailable_reason()
 needs_mooncake = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
-CASES = [
-    (torch.float32, (2, 64, 128)),
-    (torch.bfloat16, (3, 5, 7)),
-    (torch.int64, (1000,)),
-    (torch.float32, (0, 4)),
-    (torch.float64, ()),
-    (torch.float32, (4 * 1024 * 1024,)),  # 16 MiB
-]
 BIG = 64 << 20  # bytes: far more than the loopback socket buffers, so a stopped receiver stalls the write
 FORGED_SIZE = 4096
 
