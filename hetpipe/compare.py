@@ -137,6 +137,8 @@ def _jsonl_rows(path: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[s
                 raise HetpipeError(f"{path}:{number}: not a JSON row ({exc.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise HetpipeError(f"{path}:{number}: a metrics row needs an integer 'step'")
+            if "event" in row:
+                continue  # a skipped step, a restart, a preemption: no loss to compare
             key = "loss" if "loss" in row else "val_loss"
             if not isinstance(row.get(key), (int, float)):
                 raise HetpipeError(f"{path}:{number}: a metrics row needs a numeric 'loss' or 'val_loss'")

@@ -12,6 +12,7 @@ which is what makes pipelined and single-process runs comparable bit for bit.
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -51,6 +52,11 @@ class PipelineEngine:
         # hetpipe.models.split_backward); the first stage's B then ends at the
         # embedding's output, which the forward has to keep.
         self.split_backward = any(a.kind == BWD_INPUT for a in self.actions)
+        # The last step's host time blocked on boundary receives and on the
+        # step's sends (the straggler report counts the rest as busy). NCCL
+        # boundary waits do not block the host, so on an NCCL-only pipeline
+        # this stays near zero; tcp/direct waits block it.
+        self.wait_s = 0.0
 
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.pipeline_size + self.rank
@@ -125,6 +131,7 @@ class PipelineEngine:
                 next_recv += 1
 
         done_recvs = 0
+        waited = 0.0
         for action in self.actions:
             key = (action.microbatch, action.chunk)
             v = self.virtual_stage(action.chunk)
@@ -132,7 +139,9 @@ class PipelineEngine:
                 post_until(done_recvs + self.recv_ahead)
                 kind = "fwd" if action.kind == "recv_fwd" else "bwd"
                 buf, handle = posted.pop((kind, action.microbatch, action.chunk))
+                wait_start = time.perf_counter()
                 handle.wait()
+                waited += time.perf_counter() - wait_start
                 received[(kind,) + key] = buf
                 done_recvs += 1
                 post_until(done_recvs + self.recv_ahead)
@@ -183,8 +192,11 @@ class PipelineEngine:
                 raise ValueError(f"unknown pipeline action {action}")
             if action.kind in ("bwd", BWD_INPUT) and v == 0:
                 inputs.pop(key, None)
+        wait_start = time.perf_counter()
         for handle in sends:
             handle.wait()
+        waited += time.perf_counter() - wait_start
+        self.wait_s = waited
         if losses:
             for m in range(num_micro):  # canonical order, whatever the schedule
                 loss_sum = losses[m] if loss_sum is None else loss_sum + losses[m]

@@ -10,7 +10,7 @@ rank applies the same clip coefficient.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,12 @@ def global_parameter_order(cfg: ModelConfig) -> dict[str, int]:
     with torch.device("meta"):
         whole = CausalLM(cfg)
     return {name: i for i, (name, _) in enumerate(whole.named_parameters())}
+
+
+class ClipResult(NamedTuple):
+    norm: torch.Tensor        # the global gradient norm (before clipping)
+    extra: torch.Tensor       # the summed ``extra`` of every contributing rank
+    side: torch.Tensor        # [world size, k]: every rank's ``side`` row (float32, CPU)
 
 
 class GradNormClipper:
@@ -42,7 +48,9 @@ class GradNormClipper:
     ``extra`` is an optional scalar (the step's loss sum on the last stage)
     piggy-backed on the same exchange, so logging costs no extra collective;
     pass ``extra_contributes=False`` on ranks whose value must not be counted
-    (TP ranks other than 0 hold a copy of the same loss).
+    (TP ranks other than 0 hold a copy of the same loss). ``side`` is a short
+    per-rank vector (a preemption flag, the step's busy time) that comes back
+    as every rank's row, on the same exchange.
     """
 
     def __init__(self, cfg: ModelConfig, chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup],
@@ -82,28 +90,34 @@ class GradNormClipper:
         return [tp_sq_norm_share(p, g).sqrt() for p, g in zip(self.params, grads)]
 
     def clip(self, max_norm: float, extra: Optional[torch.Tensor] = None,
-             extra_contributes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale gradients in place; returns (total norm, summed ``extra``).
+             extra_contributes: bool = True, side: Optional[torch.Tensor] = None) -> ClipResult:
+        """Scale gradients in place by the global norm (unless it is not finite).
 
-        With one rank both stay on the device (no host sync in the step);
-        across ranks the exchange goes through the CPU (gloo) anyway.
+        With one rank the norm and ``extra`` stay on the device (no host sync
+        in the step); across ranks the exchange goes through the CPU (gloo)
+        anyway.
         """
         norms = self._norms()
         extra_value = extra.detach().float().reshape(1) if extra is not None and extra_contributes \
             else torch.zeros(1)
+        side = torch.zeros(0) if side is None else side.detach().float().reshape(-1).cpu()
+        k = side.numel()
         if self.world == 1:
             total = torch.linalg.vector_norm(torch.stack(norms))
             summed_extra = extra_value
+            sides = side.reshape(1, k)
         else:
-            local = torch.zeros(self.width + 1, dtype=torch.float32)
+            local = torch.zeros(self.width + 1 + k, dtype=torch.float32)
             if norms:
                 local[: len(norms)] = torch.stack(norms).float().cpu()
-            local[-1] = extra_value.cpu()[0]
+            local[self.width] = extra_value.cpu()[0]
+            local[self.width + 1:] = side
             gathered = [torch.empty_like(local) for _ in range(self.world)]
             dist.all_gather(gathered, local, group=self.group)
             table = torch.stack(gathered)
-            summed_extra = table[:, -1].sum().reshape(1)
-            values = table[:, :-1].reshape(-1)
+            sides = table[:, self.width + 1:]
+            summed_extra = table[:, self.width].sum().reshape(1)
+            values = table[:, :self.width].reshape(-1)
             valid = self.layout >= 0
             ordered = torch.zeros(self.total, dtype=torch.float32)
             if int(self.reports.max()) <= 1:
@@ -123,7 +137,7 @@ class GradNormClipper:
             grads_all = [p.grad for p in self.all_params if p.grad is not None]
             if grads_all:
                 torch._foreach_mul_(grads_all, coef.to(grads_all[0].device))
-        return total.detach(), summed_extra[0]
+        return ClipResult(total.detach(), summed_extra[0], sides)
 
 
 def sync_tied_embedding_grads(chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup]) -> None:

@@ -5,7 +5,8 @@ directory, console, wandb, TensorBoard.
 read it, so it is written first and the same rows go everywhere else. A
 training row carries ``loss``; a validation row is a row of its own with
 ``val_loss`` and ``val_ppl`` (no ``loss``), so readers of training curves
-can keep selecting rows by ``loss``. wandb and TensorBoard are mirrors for
+can keep selecting rows by ``loss``; an event row (a skipped non-finite
+step, a restart, a preemption) has ``event`` and no ``loss``. wandb and TensorBoard are mirrors for
 dashboards and get the same values under ``train/<key>`` and ``val/<key>``.
 
 Values stay on the device until a log interval ends, so logging adds one host
@@ -18,7 +19,6 @@ left empty where no peak is known (a CPU, an unlisted GPU).
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hetpipe.errors import ConfigError, HetpipeError
+from hetpipe.straggler import StragglerReport, describe
 
 
 @dataclass
@@ -56,6 +57,8 @@ class MetricsLogger:
     tensorboard: bool = False
     # First step of this run (> 0 when resuming): earlier rows are kept.
     start_step: int = 0
+    # logging.straggler: per-rank busy times, reported at each flush.
+    straggler: Optional[StragglerReport] = None
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,11 +122,8 @@ class MetricsLogger:
         tflops = self.flops_per_step / step_time / self.num_devices / 1e12
         rows = []
         for p in self._pending:
+            # Non-finite steps never get here: they are skipped (record_event).
             loss = p.loss.item()
-            if not math.isfinite(loss):
-                self.close()
-                raise HetpipeError(f"training diverged: loss is {loss} at step {p.step} "
-                                   "(try a lower optimizer.lr or a smaller optimizer.clip_grad)")
             rows.append({
                 "step": p.step,
                 "loss": loss,
@@ -136,10 +136,25 @@ class MetricsLogger:
                 "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             })
         self._pending.clear()
+        straggler = self.straggler.take() if self.straggler is not None else {}
+        rows[-1].update(straggler)
         for row in rows:
             self._write(row, "train")
         self._finish_writes()
-        self._log_line(rows[-1])
+        self._log_line(rows[-1], describe(straggler))
+
+    def record_event(self, step: int, event: str, line: Optional[str] = None, **fields: Any) -> None:
+        """A row that is not a step's loss: ``skipped`` (a non-finite step),
+        ``restart`` (the job restarted and resumed here), ``preempted``.
+        Rows queued before it go first, so the file stays in step order;
+        ``line`` is printed. The time up to the event stays out of throughput.
+        """
+        self.flush()
+        self._file.write(json.dumps({"step": step, "event": event, **fields}) + "\n")
+        self._finish_writes()
+        if line:
+            self._print(line)
+        self._last_time = time.perf_counter()
 
     def record_validation(self, step: int, val_loss: float, val_ppl: float) -> None:
         """Log one validation result, taken after optimizer step ``step``.
@@ -180,11 +195,11 @@ class MetricsLogger:
         else:
             print(line, flush=True)
 
-    def _log_line(self, row: dict[str, Any]) -> None:
+    def _log_line(self, row: dict[str, Any], suffix: str = "") -> None:
         mfu = f" | MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
         line = (f"step {row['step']:>6}/{self.total_steps} | loss {row['loss']:.4f} | "
                 f"lr {row['lr']:.3e} | grad norm {row['grad_norm']:.3f} | "
-                f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.3f} TFLOP/s/device{mfu}")
+                f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.3f} TFLOP/s/device{mfu}{suffix}")
         if self._bar is not None:
             self._bar.update(self._task, completed=row["step"], loss=f"loss {row['loss']:.4f}")
         self._print(line)

@@ -88,6 +88,22 @@ class TrainConfig:
     # data, so successive val_loss values differ only by the weights.
     # Megatron's --eval-iters, and its default.
     eval_iters: int = 100
+    # A step whose global loss or gradient norm is not finite is skipped on
+    # every rank (no weight or optimizer-state change; logged in
+    # metrics.jsonl). After this many consecutive skips the run stops with an
+    # error naming the step; the last checkpoint stays the last good one
+    # (Megatron's --check-for-nan-in-loss-and-grad stops at the first).
+    max_skipped_steps: int = 5
+    # Restarts of the whole job after a rank dies (torchrun's --max-restarts;
+    # the local launcher's elastic agent takes it from here, a multi-node job
+    # from launch_cluster.sh's HETPIPE_MAX_RESTARTS). Each restart resumes
+    # from the latest complete checkpoint of checkpoint.save_dir.
+    max_restarts: int = 0
+    # Signals that preempt the run: every rank finishes its step, a
+    # checkpoint is written and the job exits 0. SIGTERM is what Slurm sends
+    # before killing a preempted job (after KillWait, 30 s by default);
+    # add SIGUSR1 for `sbatch --signal=USR1@<seconds>`.
+    preemption_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "log_interval"):
@@ -107,6 +123,14 @@ class TrainConfig:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         sdpa_preference(self.attention_backend)  # raises ConfigError naming the bad value
         check_recompute(self.recompute, self.recompute_num_layers)
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"train.max_skipped_steps={self.max_skipped_steps} must be positive")
+        if self.max_restarts < 0:
+            raise ConfigError(f"train.max_restarts={self.max_restarts} must be >= 0")
+        allowed = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+        for name in self.preemption_signals:
+            if name not in allowed:
+                raise ConfigError(f"train.preemption_signals lists {name!r}; allowed: {', '.join(allowed)}")
 
 
 @dataclass
@@ -190,6 +214,12 @@ class LoggingConfig:
     tensorboard: bool = False
     # Show a rich progress bar on a terminal.
     progress: bool = True
+    # Each log line names the slowest rank's busy time per step (time not
+    # spent waiting on pipeline neighbours) against its stage's median, so
+    # a slow node in a mixed cluster shows (Megatron's straggler detector
+    # reports min/max per rank the same way). Rides on the step's gradient-norm
+    # exchange: no extra collective.
+    straggler: bool = False
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in ("offline", "online"):

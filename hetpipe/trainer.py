@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,7 +23,8 @@ import torch.distributed as dist
 import yaml
 from omegaconf import OmegaConf
 
-from hetpipe.checkpoint import restore, save_checkpoint, should_save
+from hetpipe.checkpoint import resolve_save_dir, restore, save_checkpoint, should_save
+from hetpipe.checkpoint.layout import iter_dir_name
 from hetpipe.comm.factory import check_transport_available
 from hetpipe.comm.vendor import accelerator_name, detect_vendor
 from hetpipe.errors import ConfigError
@@ -30,9 +32,14 @@ from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
 from hetpipe.evaluate import build_validator, validation_loader
+from hetpipe import faults
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
 from hetpipe.launch import launch, rank_env, under_torchrun
 from hetpipe.metrics import MetricsLogger
+from hetpipe.nonfinite import NonFiniteGuard
+from hetpipe.preemption import PreemptionWatch, write_marker
+from hetpipe.restart import restart_attempt, resume_setting
+from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
@@ -230,7 +237,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     writer = topo.dp_rank == 0 and topo.tp_rank == 0
     validator = build_validator(cfg, plan, topo, engine, counts_loss, weights)
 
-    start = restore(cfg.checkpoint, run_dir, chunks, optimizer, loader, topo.rank, topo.world_size, cfg.model,
+    attempt = restart_attempt()
+    start = restore(resume_setting(cfg.checkpoint, run_dir), run_dir, chunks, optimizer, loader, topo.rank, topo.world_size, cfg.model,
                     shard=shard_fn(chunks))
     logger = None
     if topo.rank == 0:
@@ -245,7 +253,11 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             log_interval=t.log_interval, progress=cfg.logging.progress,
             wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
             wandb_mode=cfg.logging.wandb_mode, tensorboard=cfg.logging.tensorboard,
-            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)))
+            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
+            straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None)
+        if attempt:
+            logger.record_event(start, "restart", f"hetpipe: restart {attempt} of {t.max_restarts}: resumed "
+                                f"after step {start}", restart=attempt, resumed_from_step=start)
         layers = [s.layers for s in plan.stages]
         degrees = sorted({(s.tp, s.dp) for s in plan.stages})
         parallel = ", ".join(f"TP{tp} x DP{dp}" for tp, dp in degrees)
@@ -258,6 +270,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
               f"run dir {run_dir}", flush=True)
 
     losses = []
+    guard = NonFiniteGuard(t.max_skipped_steps)
+    preemption = PreemptionWatch(t.preemption_signals)
     try:
         for step in range(start, t.train_iters):
             lr = lr_at(step, cfg.optimizer, t.train_iters)
@@ -265,6 +279,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
                 group["lr"] = lr
             if weights is not None:
                 weights.refresh()  # the main weights changed (optimizer step, checkpoint load)
+            step_started = time.perf_counter()
+            faults.hit("step", topo.rank, step + 1)
             with profile_step(t.profile_step == step + 1, run_dir, topo.rank, step + 1):
                 loss_sum = engine.run_step(loader.next_step())
                 if reducer is not None:
@@ -273,24 +289,42 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
                     for chunk in chunks:
                         finalize_tensor_parallel_grads(chunk)
                 sync_tied_embedding_grads(chunks, topo.embedding_group)
-                grad_norm, total_loss = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum,
-                                                     extra_contributes=counts_loss)
-                optimizer.step()
+                faults.hit("grads", topo.rank, step + 1, [p.grad for c in chunks for p in c.parameters()])
+                # Every rank's preemption flag and busy time (the step so far, less
+                # its waits on pipeline neighbours) ride on the norm exchange.
+                busy = time.perf_counter() - step_started - engine.wait_s
+                side = torch.tensor([float(preemption.requested), busy])
+                grad_norm, total_loss, sides = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum,
+                                                            extra_contributes=counts_loss, side=side)
+                stopping = bool(sides[:, 0].any())
+                skipped = guard.check(step + 1, grad_norm, total_loss)
+                if skipped is None:
+                    optimizer.step()
                 if reducer is not None:
                     reducer.zero_grad()
                 else:
                     optimizer.zero_grad(set_to_none=True)
-            mean_loss = total_loss / global_microbatches
-            losses.append(mean_loss)
-            if logger is not None:
-                logger.record(step + 1, mean_loss, grad_norm, lr, loader.state_dict()["consumed_samples"])
+            consumed = loader.state_dict()["consumed_samples"]
+            if skipped is not None:
+                if logger is not None:
+                    logger.record_event(
+                        step + 1, "skipped", f"hetpipe: step {step + 1} skipped: {skipped} (no update applied; "
+                        f"{guard.consecutive} in a row, train.max_skipped_steps={t.max_skipped_steps})",
+                        reason=skipped, lr=lr, consumed_samples=consumed, consecutive_skips=guard.consecutive)
+            else:
+                mean_loss = total_loss / global_microbatches
+                losses.append(mean_loss)
+                if logger is not None:
+                    if logger.straggler is not None:
+                        logger.straggler.add(sides[:, 1])
+                    logger.record(step + 1, mean_loss, grad_norm, lr, consumed)
             if validator is not None and validator.due(step + 1, t.train_iters):
                 if logger is not None:
                     logger.flush()  # validation's time stays out of this interval's throughput
                 val_loss, val_ppl = validator.run()
                 if logger is not None:
                     logger.record_validation(step + 1, val_loss, val_ppl)
-            if should_save(cfg.checkpoint, step + 1, t.train_iters):
+            if should_save(cfg.checkpoint, step + 1, t.train_iters) or stopping:
                 if logger is not None:
                     logger.flush()  # metrics up to the checkpoint are on disk with it
                 model_state = optim_state = None
@@ -299,12 +333,34 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
                 save_checkpoint(cfg.checkpoint, run_dir, step + 1, chunks, optimizer, loader.state_dict(),
                                 topo.rank, topo.world_size, cfg.model, plan,
                                 model_state=model_state, optim_state=optim_state)
+            if stopping:
+                checkpoint = resolve_save_dir(cfg.checkpoint, run_dir) / iter_dir_name(step + 1)
+                _stop_for_preemption(preemption, step + 1, topo.rank, checkpoint, logger)
+                break
     finally:
+        preemption.close()
         if logger is not None:
             logger.close()
         if device.type == "cuda":
             _write_peak_memory(run_dir, topo.rank, device)
     return [float(x) for x in losses]
+
+
+def _stage_of_ranks(topo: Topology) -> list[int]:
+    """Global rank -> its pipeline stage."""
+    stage = {r: s for s, st in enumerate(topo.stages) for r in st.ranks}
+    return [stage[r] for r in range(topo.world_size)]
+
+
+def _stop_for_preemption(preemption: PreemptionWatch, step: int, rank: int, checkpoint: Path,
+                         logger: Optional[MetricsLogger]) -> None:
+    """The checkpoint of ``step`` is committed: say so, and let the launcher know."""
+    signal_name = preemption.received or "a signal on another rank"
+    write_marker(rank, step, checkpoint, signal_name)
+    if logger is not None:
+        logger.record_event(step, "preempted", signal=signal_name)
+        print(f"hetpipe: preempted by {signal_name} after step {step}: checkpoint {checkpoint} saved; "
+              "exiting 0", flush=True)
 
 
 def _write_peak_memory(run_dir: Path, rank: int, device: torch.device) -> None:
