@@ -156,13 +156,6 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
     P = plan.pipeline_size
     chunks = []
     if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
-        if topo.device.type != "cpu":
-            # Measured on one H100 (LLaMA-3-8B shapes, 2 layers, seq 4096, 8
-            # microbatches, docs/benchmarks.md): allocated memory grew from
-            # 30 GiB (1f1b) to 76 GiB over five zb_h1 steps and the sixth ran
-            # out of memory; losses agreed with 1f1b. Refused until that is found.
-            raise ConfigError(f"partition.schedule={plan.schedule} runs on CPU ranks only in this release: on a "
-                              "GPU its memory grew every step until it ran out (docs/benchmarks.md); use 1f1b")
         allow_retained_graphs()
     for c in range(plan.num_chunks):
         chunk = build_model(cfg.model, seed=cfg.train.seed, units=ranges[c * P + topo.pp_rank], device=topo.device)
