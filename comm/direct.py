@@ -65,7 +65,7 @@ from hetpipe.comm.mover import Landing, Mover, RegionHandle
 from hetpipe.comm.rendezvous import connect_peers
 from hetpipe.comm.shm_mover import ShmMover
 from hetpipe.comm.sockets import recv_exact
-from hetpipe.comm.threaded import PeerState, ThreadedChannel
+from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
 
 # Control message: magic, type, sequence number, payload length; then the payload.
 _MSG = struct.Struct("<4sBQI")
@@ -277,9 +277,9 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
                 else:
                     self._write(peer, *payload)
             except OSError as exc:
-                self._fail_peer(peer, ChannelError(f"connection to {peer.name} lost: {exc}"))
+                self._fail_peer(peer, PeerLost(f"connection to {peer.name} lost: {exc}", peer.rank))
                 if what == "write":
-                    payload[0].handle.set_failed(peer.error or ChannelError(f"connection to {peer.name} lost"))
+                    payload[0].handle.set_failed(peer.error or PeerLost(f"connection to {peer.name} lost", peer.rank))
 
     def _write(self, peer: _DirectPeer, op: _Send, answer: _Ready) -> None:
         try:
@@ -315,7 +315,7 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
             while True:
                 got = recv_exact(peer.sock, memoryview(head))
                 if got == 0:
-                    raise ChannelError(f"connection to {peer.name} lost: the peer closed the connection")
+                    raise PeerLost(f"connection to {peer.name} lost: the peer closed the connection", peer.rank)
                 if got < _MSG.size:
                     raise ChannelError(f"connection to {peer.name} closed mid-message")
                 magic, kind, seq, length = _MSG.unpack(head)
@@ -334,7 +334,7 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
         except ChannelError as exc:
             self._fail_peer(peer, exc)
         except OSError as exc:
-            self._fail_peer(peer, ChannelError(f"connection to {peer.name} lost: {exc}"))
+            self._fail_peer(peer, PeerLost(f"connection to {peer.name} lost: {exc}", peer.rank))
 
     def _on_ready(self, peer: _DirectPeer, seq: int, payload: bytes) -> None:
         if len(payload) < _OFFSET.size + HEADER_SIZE:

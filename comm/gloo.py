@@ -46,7 +46,7 @@ from hetpipe.comm.channel import (
     encode_header,
     header_for,
 )
-from hetpipe.comm.threaded import PeerState, ThreadedChannel
+from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
 
 _HEADER_TAG = 0x4850
 _DATA_TAG = 0x4851
@@ -148,7 +148,7 @@ class GlooChannel(ThreadedChannel[_GlooPeer]):
                 for work in works:
                     work.wait()  # the group's timeout bounds this
             except RuntimeError as exc:
-                self._fail_peer(peer, ChannelError(f"connection to {peer.name} lost: {exc}"))
+                self._fail_peer(peer, PeerLost(f"connection to {peer.name} lost: {exc}", peer.rank))
                 continue
             with peer.cond:
                 peer.pending_sends.discard(handle)
@@ -180,7 +180,7 @@ class GlooChannel(ThreadedChannel[_GlooPeer]):
                 self._fail_peer(peer, exc)
                 return
             except RuntimeError as exc:
-                self._fail_peer(peer, ChannelError(f"connection to {peer.name} lost: {exc}"))
+                self._fail_peer(peer, PeerLost(f"connection to {peer.name} lost: {exc}", peer.rank))
                 return
             with peer.cond:
                 if peer.recvs and peer.recvs[0] is op:

@@ -16,7 +16,12 @@ T = TypeVar("T")
 
 # Exit statuses a user (or a scheduler's requeue rule) can tell apart: bad
 # input is the user's to fix and retrying cannot help; a lost node, link or
-# peer is the cluster's, and a restart may succeed.
+# peer is the cluster's, and a restart may succeed; a crashed rank (killed by
+# a signal - SIGKILL from the OOM killer or a user, SIGSEGV - or an exception
+# that is a bug) is the code's or the machine's, and the launcher names the
+# rank and how it died. A launcher stopped by a signal exits 128 + its number
+# (0 when preempted: every rank saved a checkpoint first).
+EXIT_CRASH = 1
 EXIT_BAD_INPUT = 2
 EXIT_LOST_PEER = 3
 

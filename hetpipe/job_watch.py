@@ -6,31 +6,49 @@ closed by peer"), one waiting on a neighbour of its own node that already
 left, one killed by its launcher because a sibling exited. Each would say
 something different, or nothing, or print a traceback. So the first rank that
 knows the *cause* posts it under one key of the job's store (first post wins,
-``compare_set``), and every rank prints that same line and exits with status
-3 (``EXIT_LOST_PEER``: a node, link or peer failed; status 2 stays for bad
-input), which the launchers read as "this rank already said why":
+``compare_set``), and every rank prints that same line and exits with the
+status posted with it - 3 (``EXIT_LOST_PEER``) for a node, link or peer that
+failed, 1 (``EXIT_CRASH``) for a crashed rank, 2 only for bad input - which
+the launchers read as "this rank already said why":
 
 * a boundary channel posts from its I/O thread the moment a peer fails mid-
-  transfer (:meth:`~hetpipe.comm.threaded.ThreadedChannel.notify_failures`);
+  transfer (:meth:`~hetpipe.comm.threaded.ThreadedChannel.notify_failures`),
+  a lost peer after the wait below;
 * each rank's watch thread polls the key (a store client of its own, so a
   blocked operation of the main thread never delays it), and posts when one of
   this node's selected NICs goes down; a store that stops answering is node 0
   lost, since node 0's launcher hosts it;
-* a rank whose collective failed, or whose boundary wait timed out without
-  evidence of what stalled, waits up to ``_GRACE_S`` for a posted cause before
-  posting its own (naming the node whose address gloo's message carries);
+* a rank whose collective failed, whose boundary wait timed out without
+  evidence of what stalled, or whose boundary peer closed or reset its
+  connection, waits up to ``_GRACE_S`` for a posted cause before posting its
+  own (naming the node whose address gloo's message carries): a lost
+  connection is usually the consequence of something its peer's side knows
+  better - the peer raised (it posts its exception once its ``finally``
+  blocks closed the connection) or was killed (its launcher, which saw the
+  signal, posts "rank 1 (pid ...) was killed by SIGKILL", see
+  :mod:`hetpipe.launch_agent`); only a whole node gone leaves nobody to say
+  more, and then the connection is the cause;
 * every rank lingers ``_LINGER_S`` after printing, so that its node's other
   ranks read the cause before their launcher stops them (torchrun stops a
   node's ranks as soon as one exits).
 
 A rank whose code raised something that is not a communication failure has a
 bug: its traceback is printed as usual, and the others stop with "rank N
-failed".
+failed" and status 1 (``EXIT_CRASH``), as they do for a rank killed by a signal.
+
+The keys live under the job's attempt (:func:`namespace`): an elastic agent
+keeps one store for all restarts of a job (torch's agent hosts it and hands
+every attempt the same address), so without it a restarted attempt would read
+the last attempt's verdict and stop at once - and gloo would dial the last
+attempt's addresses.
 
 Measured on two emulated nodes (tests/test_node_faults.py, deadline 15 s,
 two busy cores): a NIC taken down stops all four ranks 1.8 s later, a killed
-node stops the other's ranks in 1.9 s, a link that goes silent without a NIC
-changing state in 9.6 s (half the deadline, comm/tcp.py).
+node stops the other's ranks in 3.7 s (1.9 s before their lost connections
+waited ``_GRACE_S`` for a better cause), a link that goes silent without a
+NIC changing state in 9.6 s (half the deadline, comm/tcp.py). A single rank
+killed on a node is named by its launcher on every rank of both nodes
+(tests/test_root_cause.py).
 """
 from __future__ import annotations
 
@@ -49,7 +67,8 @@ from hetpipe.comm.channel import ChannelError, ChannelTimeout
 from hetpipe.comm.nics import Nic, list_interfaces
 from hetpipe.comm.tcp_links import LinkStalled
 from hetpipe.comm.threaded import PeerLost
-from hetpipe.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, HetpipeError, error_line
+from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, HetpipeError, error_line
+from hetpipe.launch import restart_attempt
 from hetpipe.nodes import NodeMap, NodeMissing
 
 ABORT_KEY = "hetpipe/abort"
@@ -57,7 +76,10 @@ ABORT_KEY = "hetpipe/abort"
 # rank, for one small store request per rank.
 _POLL_S = 0.25
 # A channel's I/O thread sees a lost peer's EOF within milliseconds of gloo's
-# own error; the slack is for a busy machine.
+# own error, and a launcher posts a killed rank's signal within its 20 ms poll
+# of its workers (launch_agent.py); a rank that raised posts once its
+# ``finally`` blocks closed its channels (up to 2 s, comm/threaded.py's joins,
+# usually milliseconds). The slack is for a busy machine.
 _GRACE_S = 2.0
 # Four polls: every rank of the node has read the cause before torchrun,
 # which stops a node's ranks once one exits (0.1 s later), reaches them.
@@ -71,20 +93,40 @@ _current: Optional[JobWatch] = None
 _exiting = threading.Lock()
 
 
+def namespace(attempt: Optional[int] = None) -> str:
+    """The prefix of every key this attempt of the job writes to the rendezvous store."""
+    return f"hetpipe/attempt{restart_attempt() if attempt is None else attempt}"
+
+
+def post_verdict(store: dist.Store, rank: int, reason: str, code: int) -> tuple[Verdict, float]:
+    """Post ``reason`` (ending ranks with ``code``) in ``store`` (already under :func:`namespace`)
+    unless a verdict is there already; returns the one that stands, and when it was posted
+    (its poster's ``time.time()``)."""
+    value = json.dumps({"rank": rank, "reason": reason, "code": code, "time": time.time()})
+    raw = store.compare_set(ABORT_KEY, "", value)
+    return _verdict(raw), json.loads(raw.decode()).get("time", 0.0)
+
+
+def posted_verdict(store: dist.Store) -> Optional[Verdict]:
+    """The verdict posted in ``store`` (already under :func:`namespace`), if any."""
+    return _verdict(store.get(ABORT_KEY)) if store.check([ABORT_KEY]) else None
+
+
 class JobWatch:
     """This rank's view of the job's one failure: posts it, polls for it, stops the rank on it.
 
     ``store`` is the job's TCPStore (its host and port give the watch a client
-    of its own); ``nodes`` and ``boundaries`` (this node's cross-node rank
-    pairs, as ``(this rank, peer rank, "stage 1 <-> stage 2")``) come from the
-    topology once the roll call is done (:meth:`arm`).
+    of its own, whose keys go under ``prefix``, the attempt's :func:`namespace`);
+    ``nodes`` and ``boundaries`` (this node's cross-node rank pairs, as ``(this
+    rank, peer rank, "stage 1 <-> stage 2")``) come from the topology once the
+    roll call is done (:meth:`arm`).
     """
 
-    def __init__(self, store: dist.TCPStore, rank: int, deadline: float) -> None:
+    def __init__(self, store: dist.TCPStore, rank: int, deadline: float, prefix: str) -> None:
         self.rank = rank
         self.nodes: Optional[NodeMap] = None
-        self._client = dist.TCPStore(store.host, store.port, is_master=False,
-                                     timeout=timedelta(seconds=deadline))
+        self._client = dist.PrefixStore(prefix, dist.TCPStore(store.host, store.port, is_master=False,
+                                                              timeout=timedelta(seconds=deadline)))
         self._lock = threading.Lock()  # one request at a time on the client
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -121,24 +163,21 @@ class JobWatch:
         with self._lock:
             self._check_store()
             try:
-                raw = self._client.get(ABORT_KEY) if self._client.check([ABORT_KEY]) else None
+                return posted_verdict(self._client)
             except Exception as exc:
                 self._store_error = exc
                 raise
-        return None if raw is None else _verdict(raw)
 
     def post(self, reason: str, code: int = EXIT_LOST_PEER) -> Verdict:
         """Post ``reason`` (ending ranks with ``code``) unless one is there already;
         returns the one that stands."""
-        value = json.dumps({"rank": self.rank, "reason": reason, "code": code})
         with self._lock:
             self._check_store()
             try:
-                raw = self._client.compare_set(ABORT_KEY, "", value)
+                return post_verdict(self._client, self.rank, reason, code)[0]
             except Exception as exc:
                 self._store_error = exc
                 raise
-        return _verdict(raw)
 
     def _check_store(self) -> None:
         """Once the store failed, fail at once: each further request would wait out its
@@ -147,11 +186,36 @@ class JobWatch:
             raise RuntimeError(f"the job's store failed before: {_first_line(self._store_error)}")
 
     def report(self, error: ChannelError) -> None:
-        """A channel's failure hook: post its cause (from the channel's I/O thread)."""
+        """A channel's failure hook (on the channel's I/O thread): post its cause - a lost
+        peer only if no better cause is posted within ``_GRACE_S`` (on a thread of its own,
+        so the channel fails its pending transfers meanwhile)."""
+        if isinstance(error, PeerLost):
+            threading.Thread(target=self._report_unless_explained, args=(error,), daemon=True,
+                             name=f"hetpipe-watch-{self.rank}-lost").start()
+            return
         try:
             self.post(self.explain(error), _status_of(error))
         except Exception:  # noqa: BLE001 - the store is gone too; the main thread reports
             pass
+
+    def _report_unless_explained(self, error: PeerLost) -> None:
+        try:
+            if self.wait_for_verdict() is None:
+                self.post(self.explain(error), _status_of(error))
+        except Exception:  # noqa: BLE001 - the store is gone too; the main thread reports
+            pass
+
+    def wait_for_verdict(self, grace: float = _GRACE_S) -> Optional[Verdict]:
+        """The verdict posted within ``grace`` seconds, if any (None too when the store fails)."""
+        until = time.monotonic() + grace
+        while True:
+            try:
+                verdict = self.posted()
+            except Exception:  # noqa: BLE001
+                return None
+            if verdict is not None or time.monotonic() >= until:
+                return verdict
+            time.sleep(0.1)
 
     def explain(self, exc: BaseException) -> str:
         """One line for ``exc``, naming the node a lost peer or a stalled link leads to."""
@@ -248,9 +312,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_secondary(exc: BaseException) -> bool:
-    """A boundary wait that timed out with no evidence of its own about why:
-    usually a consequence of a stall elsewhere, whose rank reports the cause."""
-    return isinstance(exc, ChannelTimeout) and not isinstance(exc, LinkStalled)
+    """A boundary wait that timed out with no evidence of its own about why, or a
+    peer that went away (a lost connection, or a same-vendor transfer that failed
+    because gloo's or NCCL's did): usually a consequence of a stall, an exception
+    or a kill elsewhere, whose rank (or launcher) reports the cause."""
+    if isinstance(exc, PeerLost):
+        return True
+    if isinstance(exc, ChannelTimeout):
+        return not isinstance(exc, LinkStalled)
+    return isinstance(exc, ChannelError) and exc.__cause__ is not None and _is_comm_failure(exc.__cause__)
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
@@ -262,7 +332,7 @@ def stop_rank(exc: BaseException) -> NoReturn:
     """End this rank for ``exc`` with one line, as the job's watch decides; never returns.
 
     Before the job has a watch (bad input found at start-up) a
-    :class:`HetpipeError` is its own line; anything else is re-raised.
+    :class:`HetpipeError` is its own line, and a bug its traceback and one line.
     """
     rank = int(os.environ.get("RANK", "0"))
     watch = _current
@@ -270,19 +340,18 @@ def stop_rank(exc: BaseException) -> NoReturn:
         if isinstance(exc, HetpipeError):
             code = EXIT_LOST_PEER if isinstance(exc, NodeMissing) else EXIT_BAD_INPUT
             _exit(rank, str(exc), code, linger=False)  # no job yet: no peer to wait for
-        raise exc
+        traceback.print_exception(exc)
+        _exit(rank, _bug(rank, exc), EXIT_CRASH, linger=False)
     if isinstance(exc, HetpipeError) and not _is_secondary(exc):
         watch.stop_job(watch.explain(exc), _status_of(exc))
     if _is_secondary(exc) or _is_comm_failure(exc):
-        until = time.monotonic() + _GRACE_S
-        while time.monotonic() < until:
-            try:
-                verdict = watch.posted()
-            except Exception:  # noqa: BLE001
-                break
-            if verdict is not None:
-                _exit(rank, verdict.reason, verdict.code)
-            time.sleep(0.1)
-        watch.stop_job(watch.explain(exc))
+        verdict = watch.wait_for_verdict()
+        if verdict is not None:
+            _exit(rank, verdict.reason, verdict.code)
+        watch.stop_job(watch.explain(exc))  # nobody said more: this is the cause (EXIT_LOST_PEER)
     traceback.print_exception(exc)
-    watch.stop_job(f"rank {rank} failed: {type(exc).__name__}: {_first_line(exc)} (traceback on its node)", 1)
+    watch.stop_job(_bug(rank, exc), EXIT_CRASH)
+
+
+def _bug(rank: int, exc: BaseException) -> str:
+    return f"rank {rank} failed: {type(exc).__name__}: {_first_line(exc)} (traceback on its node)"

@@ -4,34 +4,49 @@ the local ranks through PyTorch's own elastic launcher.
 No home-made process manager: for a cluster that fits on this machine,
 ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun
 --standalone`` uses) spawns one worker per rank, sets RANK / LOCAL_RANK /
-WORLD_SIZE / MASTER_ADDR / MASTER_PORT, watches them and tears all of them down
-when one fails. A multi-node cluster is started with one torchrun per node,
-through ``python -m hetpipe.launch`` (what scripts/launch_cluster.sh runs):
-torchrun itself, except that a failure is one line instead of torchrun's
-traceback and error box.
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT, watches them, tears all of them down
+when one fails and restarts them ``max_restarts`` times (``train.max_restarts``).
+A multi-node cluster is started with one torchrun per node, through ``python
+-m hetpipe.launch`` (what scripts/launch_cluster.sh runs): torchrun itself,
+except that a failure is one line instead of torchrun's traceback and error
+box. Both run torch's agent with hetpipe's additions (:mod:`hetpipe.launch_agent`):
+the root cause of a failure, a line per restart, preemption.
 
 Every rank runs under :func:`hetpipe.job_watch.stop_rank`: a rank that fails
-prints its one ``hetpipe: error:`` line and exits 2, and so does every other
-rank of the job, with the same cause (a lost node, a dead NIC, bad input); the
-launcher then adds nothing, or one line for a rank that died without one.
+prints its one ``hetpipe: error:`` line, and so does every other rank of the
+job, with the same cause, and exit status: 1 a crashed rank (an exception; a
+rank killed by a signal, whose line its launcher writes), 2 bad input, 3 a
+lost node, NIC or link. The launcher exits with that status, adding one line
+only for a rank that could not say why itself.
 """
 from __future__ import annotations
 
 import faulthandler
 import logging
+import multiprocessing
 import os
-import signal
 import sys
+import threading
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, ConfigError, fail
+from hetpipe.errors import ConfigError, fail
 from hetpipe.job_secret import provide_local_secret
 
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def restart_attempt() -> int:
+    """Which run of the job this process belongs to: 0, then 1 after the first restart...
+
+    The same on every node: hetpipe's launchers set ``HETPIPE_ATTEMPT`` from the
+    rendezvous round (launch_agent.py says why torch's
+    ``TORCHELASTIC_RESTART_COUNT`` is not); under a plain torchrun that count.
+    """
+    return int(os.environ.get("HETPIPE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def rank_env() -> tuple[int, int, int]:
@@ -42,7 +57,7 @@ def rank_env() -> tuple[int, int, int]:
 
 
 def _worker(fn: Callable[..., Any], args: tuple) -> Any:
-    """One rank: a failure ends it (and the job) with one line and exit 2 (:func:`stop_rank`).
+    """One rank: a failure ends it (and the job) with one line and its status (:func:`stop_rank`).
 
     ``HETPIPE_STACK_DUMP_S=N`` makes every rank print all its threads' stacks
     after N seconds - the quickest way to see where a hung job waits.
@@ -53,51 +68,92 @@ def _worker(fn: Callable[..., Any], args: tuple) -> Any:
     if os.environ.get("HETPIPE_STACK_DUMP_S"):
         faulthandler.dump_traceback_later(float(os.environ["HETPIPE_STACK_DUMP_S"]), exit=False)
     try:
-        return fn(*args)
+        result = fn(*args)
     except Exception as exc:  # noqa: BLE001 - stop_rank prints a bug's traceback itself
         stop_rank(exc)
+    if multiprocessing.parent_process() is not None and _left_preemption_marker():
+        # A rank spawned by the local launcher hands its result to torch's
+        # wrapper, which then waits for the agent to read it - but an agent
+        # stopping on a signal reads nothing, and kills the rank after its
+        # shutdown timeout (measured: 30 s from SIGTERM to exit, for a save of
+        # well under a second). An agent that got no signal (the scheduler
+        # signalled the ranks only) does read it, and waits for it: so the
+        # result is handed over, and the rank leaves by itself shortly after
+        # if nobody takes it. The launcher needs only the marker.
+        threading.Timer(_PREEMPTED_EXIT_S, _exit_now, args=(0,)).start()
+    return result
 
 
-def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any) -> Any:
+# Long enough for a running agent to read a result (it polls every 0.2 s).
+_PREEMPTED_EXIT_S = 2.0
+
+
+def _exit_now(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _left_preemption_marker() -> bool:
+    directory = os.environ.get("HETPIPE_PREEMPT_DIR")
+    return bool(directory) and os.path.isfile(os.path.join(directory, f"rank{os.environ.get('RANK', '0')}.json"))
+
+
+def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_restarts: int = 0) -> Any:
     """Run ``fn(*args)`` on every rank of ``cluster``; returns rank 0's result.
 
     Under torchrun (or another launcher that sets the torch env) this process
-    is one rank and runs ``fn`` directly. A one-rank cluster runs in-process.
-    Otherwise the local ranks are spawned with the elastic launcher.
+    is one rank and runs ``fn`` directly; torchrun's ``--max-restarts`` must
+    then be ``max_restarts``. A one-rank cluster without restarts runs
+    in-process. Otherwise the local ranks are spawned with the elastic
+    launcher, which restarts all of them up to ``max_restarts`` times when one
+    fails. A failure ends this process with its cause in one line and its
+    status; a preemption signal (SIGTERM, SIGUSR1...) that every rank saved a
+    checkpoint on ends it with status 0 (launch_agent.py).
     """
     world = cluster.world_size
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but cluster "
                               f"{cluster.name!r} has {world}")
+        started = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+        if started is not None and int(started) != max_restarts:
+            raise ConfigError(f"train.max_restarts={max_restarts} but torchrun was started with --max-restarts "
+                              f"{started}: make them equal (launch_cluster.sh takes HETPIPE_MAX_RESTARTS, "
+                              "or train.max_restarts from its command line)")
         return _worker(fn, args)
-    if world == 1:
+    if world == 1 and max_restarts == 0:
         return fn(*args)
     if not cluster.single_node:
         raise ConfigError(f"cluster {cluster.name!r} spans several nodes: start it with one torchrun per "
                           "node (see scripts/launch_cluster.sh)")
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from hetpipe.launch_agent import HANDLED_SIGNALS, agent_run
 
     # The job secret authenticates channel handshakes: the configured one, or a
     # fresh one that only these children inherit (never through the store).
     provide_local_secret(os.environ)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetpipe-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-        start_method="spawn")
-    # The elastic agent logs state changes and a failed rank's traceback; a
-    # failure is reported below in one line (and bad input by the rank itself).
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    try:
-        results = elastic_launch(config, _worker)(fn, args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode in (EXIT_BAD_INPUT, EXIT_LOST_PEER):
-            raise SystemExit(failure.exitcode)  # the rank already printed its one-line error
-        fail(f"rank {rank} failed with exit code {failure.exitcode} "
-             f"({failure.message or 'see its output above'})", code=1)
-    return results[0]
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, monitor_interval=0.2,
+        start_method="spawn", signals_to_handle=HANDLED_SIGNALS)
+    _quiet_torch_launcher()
+    return agent_run(lambda: elastic_launch(config, _worker)(fn, args))[0]
+
+
+def _quiet_torch_launcher() -> None:
+    """The elastic agent logs state changes, signals and a failed rank's traceback,
+    and torch.multiprocessing a warning for each rank it stops; a failure is
+    reported in one line instead (launch_agent.py, and by the ranks themselves).
+    torch's elastic modules set a level on each of their own loggers, so each is
+    quietened, not just their parent."""
+    import torch.distributed.launcher.api  # noqa: F401 - creates the agent's loggers
+
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher")
+    names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith(prefixes)]
+    for name in {*prefixes, *names}:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _this_node() -> str:
@@ -109,11 +165,12 @@ def _this_node() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m hetpipe.launch TORCHRUN_ARGS...``: torchrun with one-line failures.
 
-    Exit 2 (bad input) or 3 (a lost node, link or peer) when the first rank to
-    fail printed its own line (the others then printed the same, or were
-    stopped by the agent); otherwise one line for the
-    rank that died without one (a signal, a bug's traceback above), or for a
-    rendezvous that did not complete, and exit 1.
+    A failed job exits with its ranks' status - 1 a crashed rank, 2 bad
+    input, 3 a lost node, link or peer - after their lines; a rank that could
+    not say why (killed by a signal) gets this node's line, and so does a
+    rendezvous that did not complete (exit 1). SIGTERM, SIGUSR1 and the
+    other signals torchrun forwards end it with 0 if every local rank saved a
+    checkpoint on it, else 128 + the signal (launch_agent.py).
     """
     # c10d's C++ warnings carry a C++ backtrace (30 lines); an agent's store
     # client writes one when node 0's agent, which hosts the store, leaves
@@ -128,8 +185,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
     else:
         os.environ["TORCH_CPP_LOG_LEVEL"] = users_level
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousConnectionError,
         RendezvousError,
@@ -137,19 +192,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     from torch.distributed.run import parse_args, run
 
+    from hetpipe.launch_agent import HANDLED_SIGNALS, agent_run
+
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    # The agent logs each failed rank and re-raises with an error box; the
-    # ranks have said why already, or the lines below do.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # SIGUSR1/SIGUSR2 too (train.preemption_signals): unhandled, either would
+    # kill this launcher and leave its ranks running.
+    handled = args.signals_to_handle.split(",")
+    args.signals_to_handle = ",".join(handled + [s for s in HANDLED_SIGNALS.split(",") if s not in handled])
+    _quiet_torch_launcher()
+    node = os.environ.get("HETPIPE_NNODES", "1") != "1"
     try:
-        run(args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode in (EXIT_BAD_INPUT, EXIT_LOST_PEER):
-            raise SystemExit(failure.exitcode)  # the rank already printed its one line
-        how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-               else f"exited with status {failure.exitcode}")
-        fail(f"{_this_node()}: rank {rank} {how} without saying why (see its output above)", code=1)
+        agent_run(lambda: run(args), node=f"{_this_node()}: " if node else "")
     except RendezvousTimeoutError:
         conf = dict(item.split("=", 1) for item in args.rdzv_conf.split(",") if "=" in item)
         fail(f"{_this_node()}: not all {args.nnodes} nodes joined the rendezvous at {args.rdzv_endpoint} within "
@@ -159,8 +212,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
              "gone or unreachable", code=1)
     except RendezvousError as exc:
         fail(f"{_this_node()}: the rendezvous at {args.rdzv_endpoint} failed: {exc}", code=1)
-    except SignalException as exc:
-        fail(f"{_this_node()}: stopped by {exc.sigval.name}", code=128 + exc.sigval.value)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from hetpipe.comm.stage_link import StageLink
 from hetpipe.comm.vendor import detect_vendor
 from hetpipe.errors import ConfigError
 from hetpipe.job_secret import require_job_secret
-from hetpipe.job_watch import JobWatch
+from hetpipe.job_watch import JobWatch, namespace
 from hetpipe.nodes import NodeMap, roll_call
 from hetpipe.partitioner.plan import Plan
 
@@ -183,9 +183,14 @@ class Topology:
         # The store is kept for the channels' endpoint exchange (never for the
         # job secret: see job_token); torch has no public way to get it back from the default
         # group, so it is made here (torchrun's agent store under a launcher).
+        # Every key - the roll call's, the watch's verdict, gloo's, the channels'
+        # endpoints - goes under this attempt's namespace: the agent keeps one
+        # store for all restarts of the job, and a restarted attempt must not
+        # read the last one's (job_watch.namespace).
         deadline = timedelta(seconds=self.cluster.transport.deadline_s)
-        self.store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size, timeout=deadline))
-        self._join_nodes()
+        rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size, timeout=deadline))
+        self.store = dist.PrefixStore(namespace(), rendezvous_store)
+        self._join_nodes(rendezvous_store)
         # PrefixStore("default_pg"): the keys init_process_group would give the group itself.
         dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", self.store), rank=self.rank,
                                 world_size=self.world_size, timeout=deadline)
@@ -222,10 +227,10 @@ class Topology:
                 if self.rank in (a, b):
                     self.embedding_group = group
 
-    def _join_nodes(self) -> None:
+    def _join_nodes(self, rendezvous_store: dist.TCPStore) -> None:
         """This node's NICs, the roll call, the job's watch, and gloo/NCCL pointed at the NICs."""
         transport = self.cluster.transport
-        self.watch = JobWatch(self.store, self.rank, transport.deadline_s).install()
+        self.watch = JobWatch(rendezvous_store, self.rank, transport.deadline_s, namespace()).install()
         multi_node = launched_multi_node(self.cluster)
         setting = selection_setting(transport)
         nics = resolve_local_nics(transport)

@@ -27,7 +27,6 @@ from hetpipe.checkpoint import resolve_save_dir, restore, save_checkpoint, shoul
 from hetpipe.checkpoint.layout import iter_dir_name
 from hetpipe.comm.factory import check_transport_available
 from hetpipe.comm.vendor import accelerator_name, detect_vendor
-from hetpipe.errors import ConfigError
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
@@ -127,7 +126,7 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     validation_loader(cfg)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
     # The ranks run the plan decided here (plan=auto solves once, not per rank).
-    return launch(cfg.cluster, run_rank, cfg_dict, plan.to_yaml(), str(run_dir))
+    return launch(cfg.cluster, run_rank, cfg_dict, plan.to_yaml(), str(run_dir), max_restarts=cfg.train.max_restarts)
 
 
 def _loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> MicrobatchLoader:

@@ -27,6 +27,21 @@
 # HETPIPE_RDZV_TIMEOUT_S (default 600) bounds how long a node waits for the
 # others to join.
 #
+# Restarts: HETPIPE_MAX_RESTARTS (default: train.max_restarts when given on
+# this command line, else 0) becomes torchrun's --max-restarts; it must equal
+# train.max_restarts (a job started otherwise stops with one line saying so).
+# After a rank fails, every node's ranks are restarted and resume from the
+# latest checkpoint; each restart is one "hetpipe: ... restarting the job
+# (restart K of N)" line per node.
+#
+# Preemption: SIGTERM to this script's process (it becomes the launcher) -
+# what Slurm sends at preemption or time limit - is forwarded to the ranks,
+# which finish their step and save a checkpoint (train.preemption_signals;
+# SIGUSR1 too when listed there, for `sbatch --signal=USR1@<seconds>`); the
+# node then exits 0, or 128+the signal if its ranks did not save within
+# torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s; see
+# scripts/slurm/hetpipe_hetjob.sbatch).
+#
 #   NODE_RANK=1 RDZV_ENDPOINT=10.0.0.1:29400 HETPIPE_JOB_TOKEN_FILE=~/.hetpipe-token \
 #     bash scripts/launch_cluster.sh +model=llama8b cluster=h200_mi325x_2node ...
 #
@@ -80,8 +95,15 @@ fi
 # read_timeout and join_timeout let the nodes start minutes apart (image
 # pulls, queueing of a job component), and bound how long a node waits for one
 # that never comes. hetpipe.launch is torchrun with one-line failures.
+if [[ -z "${HETPIPE_MAX_RESTARTS:-}" ]]; then
+  HETPIPE_MAX_RESTARTS=0
+  for arg in "$@"; do
+    [[ "$arg" == train.max_restarts=* ]] && HETPIPE_MAX_RESTARTS=${arg#train.max_restarts=}
+  done
+fi
+
 exec "$PYTHON" -m hetpipe.launch \
-  --nnodes "$HETPIPE_NNODES" --nproc-per-node "$HETPIPE_NPROC_PER_NODE" \
+  --nnodes "$HETPIPE_NNODES" --nproc-per-node "$HETPIPE_NPROC_PER_NODE" --max-restarts "$HETPIPE_MAX_RESTARTS" \
   --rdzv-backend c10d --rdzv-endpoint "$HETPIPE_RDZV_ENDPOINT" --rdzv-id "$HETPIPE_RDZV_ID" \
   ${HETPIPE_LOCAL_ADDR:+--local-addr "$HETPIPE_LOCAL_ADDR"} \
   --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600},join_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \

@@ -1,0 +1,364 @@
+"""The elastic agent both launchers run: torch's own, plus the job's root cause, a line
+per restart, and each attempt's environment.
+
+``torch.distributed.launcher.api.launch_agent`` - behind ``elastic_launch`` (the
+local launcher) and torchrun's ``run`` (``python -m hetpipe.launch``) - builds
+its agent from that module's ``LocalElasticAgent`` name; :func:`agent_run`
+points the name at :class:`HetpipeAgent` for one launch, so rendezvous,
+restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
+
+* **Who died first, and how.** A thread asks the kernel every 20 ms, without
+  reaping (``waitid`` with ``WNOWAIT``), whether a worker ended, so the first
+  death is known before the agent's own poll (every 0.1-0.2 s) stops the other
+  workers with SIGTERM and before their lost connections say anything. A rank
+  killed by a signal cannot say why; the agent posts "rank 1 (pid ...) was
+  killed by SIGKILL" (with "probably by the kernel's out-of-memory killer" when
+  its cgroup's OOM count rose, :mod:`hetpipe.exit_cause`) as the job's verdict
+  (:mod:`hetpipe.job_watch`), which every other rank, on every node, prints
+  instead of the connection it lost (those wait ``job_watch._GRACE_S`` for a
+  better cause), and prints it itself. A rank that exited 1, 2 or 3 printed
+  its own line; the launcher adds none and exits with that status.
+* **Restarts** (``max_restarts``: torch's): one line each, naming the cause.
+* **Each attempt's environment**, set before its ranks start:
+  ``HETPIPE_ATTEMPT``, the rendezvous round since the first - equal on every
+  node, which ``TORCHELASTIC_RESTART_COUNT`` is not (an agent that restarts
+  because another node's ranks failed does not count it) - under which the
+  ranks namespace their store keys (torch's agent keeps one store server for
+  every attempt - torch 2.13's "new TCPStore for every retry" is a new client
+  of it: a key written in attempt 0 was still there in attempt 1, at the same
+  port);
+  and ``HETPIPE_PREEMPT_DIR``, a fresh directory where each rank that saved
+  a checkpoint on a preemption signal leaves ``rank<R>.json``.
+* **Preemption.** On SIGTERM (and SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2:
+  :data:`HANDLED_SIGNALS`, SIGUSR1 and SIGUSR2 added to torch's default list,
+  whose default action would kill the launcher and orphan its ranks) torch's
+  agent forwards the signal to its ranks and waits up to its shutdown timeout
+  (30 s: ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, torchrun's ``--shutdown-timeout``)
+  before SIGKILL. The launcher then exits 0 if every local rank left its
+  marker, else says it was stopped before the ranks saved, with status
+  128 + the signal's number.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, NoReturn, Optional, TypeVar
+
+import torch.distributed as dist
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, error_line
+from hetpipe.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
+from hetpipe.job_watch import namespace, post_verdict, posted_verdict
+
+T = TypeVar("T")
+
+# torch's default (SIGTERM,SIGINT,SIGHUP,SIGQUIT) plus the other signals
+# train.preemption_signals accepts.
+HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+_FORWARDED = {getattr(signal, name) for name in HANDLED_SIGNALS.split(",")}
+ATTEMPT_ENV = "HETPIPE_ATTEMPT"
+PREEMPT_DIR_ENV = "HETPIPE_PREEMPT_DIR"
+# The watch's poll of its workers: 50 waitid calls a second per worker, nothing
+# beside a rank's work, and 5-10x finer than the agent's own poll (0.1-0.2 s),
+# so that the first death is seen alone. Measured on two busy cores, 20
+# SIGKILLs: the verdict was in the store 5 ms after the kill (median; 10 ms at
+# most), far inside the 2 s its neighbours wait for one (job_watch._GRACE_S).
+_POLL_S = 0.02
+# A worker that died of a signal the launcher also handles may have got it
+# together with the launcher (Slurm signals every process of a step, a
+# terminal's Ctrl-C the whole process group): that is a stop, not a crash,
+# once the launcher's own handler has run - which takes it milliseconds.
+_SETTLE_S = 0.5
+# Connecting to the job's store (node 0's agent hosts it): a store that does
+# not answer within this is gone, and the cause is printed without posting it.
+_STORE_TIMEOUT_S = 5.0
+# Statuses a rank exits with after printing its own line (job_watch.stop_rank).
+_SAID_WHY = (EXIT_CRASH, EXIT_BAD_INPUT, EXIT_LOST_PEER)
+
+
+class Cause(NamedTuple):
+    """Why an attempt failed, the status it ends the launcher with, and whether a line said it already."""
+    reason: str
+    code: int
+    printed: bool = False
+
+
+class HetpipeAgent(LocalElasticAgent):
+    """torch's local elastic agent, reporting the job's root cause (see the module)."""
+
+    def __init__(self, *args: Any, node: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.node = node  # "node 1 of 2: " under torchrun on several nodes, else ""
+        self.attempt = 0
+        self._first_round: Optional[int] = None
+        self._dir = Path(tempfile.mkdtemp(prefix="hetpipe-launch-"))
+        self._watch: Optional[_WorkerWatch] = None
+        self._failed: Optional[RunResult] = None
+
+    @property
+    def preempt_dir(self) -> Path:
+        return self._dir / f"attempt{self.attempt}"
+
+    # -- torch's hooks -----------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        # The round is private to torch's c10d rendezvous handler; another
+        # handler counts attempts by this agent's restarts.
+        state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
+        round_ = getattr(state, "round", None)
+        if round_ is None:
+            self.attempt = worker_group.spec.max_restarts - self._remaining_restarts
+        else:
+            if self._first_round is None:
+                self._first_round = round_
+            self.attempt = round_ - self._first_round
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.preempt_dir.mkdir(exist_ok=True)
+        env = {ATTEMPT_ENV: str(self.attempt), PREEMPT_DIR_ENV: str(self.preempt_dir)}
+        # torch builds each worker's environment from this process's (both start methods).
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            pids = super()._start_workers(worker_group)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        ranks = {pid: worker_group.workers[local].global_rank for local, pid in pids.items()}
+        self._watch = _WorkerWatch(self, ranks, worker_group.master_addr, worker_group.master_port, self.attempt)
+        self._watch.start()
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._failed = result
+            if self._watch is not None:
+                # The agent may have reaped the first rank to die before the
+                # watch's next poll, on a busy machine: its cause is posted from here.
+                self._watch.settle(result.failures)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        spec = worker_group.spec
+        if self._failed is not None:
+            cause = self._cause(self._failed).reason
+            restart = spec.max_restarts - self._remaining_restarts
+            # The cause names its node already (it may be another node's).
+            _say(f"hetpipe: {cause}; restarting the job (restart {restart} of {spec.max_restarts})")
+        else:  # torch restarts a healthy node when another node's agent rejoins the rendezvous
+            _say(f"hetpipe: {self.node}another node is restarting the job; restarting this node's ranks with it")
+        self._failed = None
+        super()._restart_workers(worker_group)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._end_watch()  # the ranks this ends are no news
+        super()._shutdown(death_sig, timeout)
+
+    # -- the end of a launch -------------------------------------------------------
+    def report_failure(self, exc: ChildFailedError) -> NoReturn:
+        """The job failed and no restart is left: the cause's line unless printed, and its status."""
+        cause = self._cause(self._failed or RunResult(state=WorkerState.FAILED, failures=exc.failures))
+        if not cause.printed:
+            error_line(cause.reason)
+        raise SystemExit(cause.code)
+
+    def report_signal(self, sig: signal.Signals) -> NoReturn:
+        """The launcher got ``sig`` and torch's agent stopped the ranks: 0 if every local
+        rank saved on it (its preemption marker), else ``128 + sig``."""
+        ranks = sorted(w.global_rank for w in self._worker_group.workers)
+        markers = [self.preempt_dir / f"rank{r}.json" for r in ranks] if self._watch is not None else []
+        missing = [r for r, marker in zip(ranks, markers) if not marker.is_file()]
+        if markers and not missing:
+            if 0 not in ranks:  # rank 0 says it for the job; another node says it for its own ranks
+                saved = json.loads(markers[0].read_text())
+                _say(f"hetpipe: {self.node}preempted by {sig.name}: ranks {', '.join(map(str, ranks))} saved "
+                     f"step {saved.get('step')} (checkpoint {saved.get('checkpoint')}); exiting 0")
+            raise SystemExit(0)
+        which = f" (no checkpoint marker from rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))})" \
+            if missing else ""
+        error_line(f"{self.node}stopped by {sig.name} before the ranks saved{which}")
+        raise SystemExit(128 + sig.value)
+
+    def close(self) -> None:
+        self._end_watch()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- the cause -------------------------------------------------------------------
+    def _cause(self, result: RunResult) -> Cause:
+        """The failed attempt's cause, its exit status, and whether a line already said it."""
+        watch = self._watch
+        if watch is not None and watch.verdict is not None:
+            return watch.verdict
+        standing = watch.read_verdict() if watch is not None else None
+        if standing is not None:  # posted by a rank, which printed it
+            return standing
+        ending = _first_failure(result.failures)
+        if ending is None:
+            return Cause(f"{self.node}the ranks stopped in state {result.state.name}", EXIT_CRASH)
+        if ending.signal is None and ending.status in _SAID_WHY:
+            return Cause(f"{self.node}{ending.describe()}", ending.status, printed=True)
+        return Cause(f"{self.node}{_unexplained(ending)}", EXIT_CRASH)
+
+    def _end_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+
+
+class _WorkerWatch(threading.Thread):
+    """Polls one attempt's workers; on the first failed one that could not say why itself,
+    posts and (when no restart follows) prints its cause."""
+
+    def __init__(self, agent: HetpipeAgent, ranks: dict[int, int], host: str, port: int, attempt: int) -> None:
+        super().__init__(daemon=True, name=f"hetpipe-agent-watch-{attempt}")
+        self._agent = agent
+        self._ranks = ranks  # pid -> global rank
+        self._address = (host, port)
+        self._attempt = attempt
+        self._oom = {pid: OomCounters(pid) for pid in ranks}
+        self._stopped = threading.Event()
+        self._store: Optional[dist.Store] = None
+        self._alive_at = time.time()  # every worker not seen ended since was alive then
+        self._handled = False
+        self.verdict: Optional[Cause] = None  # the first failure's, when it was handled here
+
+    def stop(self) -> None:
+        """Stop watching; a failure being handled is handled to the end (its post, its line)."""
+        self._stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(_STORE_TIMEOUT_S + 1.0)
+
+    def settle(self, failures: dict[int, Any]) -> None:
+        """The agent found the attempt failed (``failures``: global rank -> torch's
+        ProcessFailure): stop polling, and handle the first failure unless the poll did."""
+        self.stop()
+        if not self._handled:
+            first = _first_failure(failures)
+            if first is not None:
+                self._handle(first)
+
+    def run(self) -> None:
+        self._connect()
+        while True:
+            swept_at = time.time()
+            ended = [e for e in (ending_of(pid, rank) for pid, rank in self._ranks.items()) if e is not None]
+            failed = sorted((e for e in ended if e.failed), key=lambda e: e.signal in _FORWARDED)
+            if failed:
+                first = failed[0]
+                if first.signal in _FORWARDED and self._stopped.wait(_SETTLE_S):
+                    return  # the launcher was signalled too: torch's agent is stopping the ranks
+                self._handle(first)
+                return
+            self._alive_at = swept_at
+            if self._stopped.wait(_POLL_S):
+                return
+
+    def _handle(self, first: Ending) -> None:
+        self._handled = True
+        if first.signal is None and first.status in _SAID_WHY:
+            return  # the rank printed its own line (job_watch.stop_rank)
+        oom = self._oom[first.pid].evidence() if first.pid in self._oom else None
+        reason = f"{self._agent.node}{_unexplained(first, oom)}"
+        standing, posted_at = None, 0.0
+        if self._store is not None:
+            try:
+                standing, posted_at = post_verdict(self._store, first.rank, reason, EXIT_CRASH)
+            except Exception:  # noqa: BLE001 - the store's host is gone: say it here only
+                standing = None
+        if standing is not None and standing.reason != reason and posted_at < self._alive_at:
+            # A cause was posted while this rank still lived (and the ranks print it):
+            # its death followed from it. One posted since may be a lost connection
+            # to it (a transport that does not wait for a better cause): this is the cause.
+            self.verdict = Cause(standing.reason, standing.code, printed=True)
+            return
+        last_attempt = self._agent._remaining_restarts == 0
+        if last_attempt:
+            error_line(reason)  # first: the other ranks print it after their wait for a cause
+        self.verdict = Cause(reason, EXIT_CRASH, printed=last_attempt)
+
+    def read_verdict(self) -> Optional[Cause]:
+        """The verdict the ranks of this attempt posted (and printed), if the store answers."""
+        if self._store is None:
+            return None
+        try:
+            verdict = posted_verdict(self._store)
+        except Exception:  # noqa: BLE001
+            return None
+        return None if verdict is None else Cause(verdict.reason, verdict.code, printed=True)
+
+    def _connect(self) -> None:
+        try:
+            client = dist.TCPStore(self._address[0], self._address[1], is_master=False,
+                                   timeout=timedelta(seconds=_STORE_TIMEOUT_S))
+            self._store = dist.PrefixStore(namespace(self._attempt), client)
+        except Exception:  # noqa: BLE001 - the causes are printed here, not posted
+            self._store = None
+
+
+def _first_failure(failures: dict[int, Any]) -> Optional[Ending]:
+    """The failure torch's agent recorded that is likeliest the first: a rank killed by a
+    signal the agent does not send itself, else the earliest (``failures``: global rank ->
+    ProcessFailure; whole seconds, and for spawned ranks only the one it noticed first)."""
+    ordered = sorted(failures.items(), key=lambda item: item[1].timestamp)
+    if not ordered:
+        return None
+    rank, failure = next(((r, f) for r, f in ordered if f.exitcode < 0 and -f.exitcode not in _FORWARDED),
+                         ordered[0])
+    return ending_from_exitcode(rank, failure.pid, failure.exitcode)
+
+
+def _unexplained(ending: Ending, oom: Optional[str] = None) -> str:
+    """A death its rank could not explain: a signal, or a status no hetpipe line goes with."""
+    if ending.signal is not None:
+        return ending.describe(oom)
+    return f"{ending.describe()} without saying why (see its output above)"
+
+
+def _say(line: str) -> None:
+    """One launcher line on stderr in one write, so that ranks' lines never run into it."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
+
+
+def agent_run(start: Callable[[], T], node: str = "") -> T:
+    """Run ``start()`` - a call of torch's ``elastic_launch(...)(...)`` or torchrun's ``run``
+    - with :class:`HetpipeAgent` as its agent; a failure or a signal ends this process with
+    hetpipe's lines and status (see the module)."""
+    agents: list[HetpipeAgent] = []
+
+    def build(*args: Any, **kwargs: Any) -> HetpipeAgent:
+        agent = HetpipeAgent(*args, node=node, **kwargs)
+        agents.append(agent)
+        return agent
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
+    try:
+        return start()
+    except ChildFailedError as exc:
+        agents[-1].report_failure(exc)
+    except SignalException as exc:
+        if not agents:
+            error_line(f"{node}stopped by {exc.sigval.name} before the ranks started")
+            raise SystemExit(128 + exc.sigval.value) from None
+        agents[-1].report_signal(exc.sigval)
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        for agent in agents:
+            agent.close()
