@@ -21,7 +21,7 @@ import torch
 from hetpipe.models import CausalLM
 from hetpipe.models.split_backward import WeightBackward, backward_input, capture_output
 from hetpipe.precision import Bf16Weights, compute_context
-from hetpipe.schedules import BWD_INPUT, BWD_WEIGHT, Action
+from hetpipe.actions import BWD_INPUT, BWD_WEIGHT, Action
 
 if TYPE_CHECKING:
     from hetpipe.comm.channel import Handle
@@ -38,7 +38,15 @@ class PipelineEngine:
         self.links = links  # neighbouring stage index -> its link
         self.rank = rank
         self.pipeline_size = pipeline_size
-        self.num_virtual = pipeline_size * len(self.chunks)
+        # Consecutive virtual stages on this rank (the turn of a V placement,
+        # hetpipe.placement; several chunks on one rank) hand their tensors
+        # over in-process, with no message. Every stage holds units, so two
+        # chunks are consecutive exactly when their unit ranges meet: the
+        # chunks say it, whatever placement built them.
+        starts = {chunk.unit_range[0]: c for c, chunk in enumerate(self.chunks)}
+        self.local_output = {c: starts[chunk.unit_range[1]] for c, chunk in enumerate(self.chunks)
+                             if chunk.unit_range[1] in starts}  # producer chunk -> consumer chunk
+        self.local_input = {consumer: producer for producer, consumer in self.local_output.items()}
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype
         self.device = device
@@ -57,9 +65,6 @@ class PipelineEngine:
         # boundary waits do not block the host, so on an NCCL-only pipeline
         # this stays near zero; tcp/direct waits block it.
         self.wait_s = 0.0
-
-    def virtual_stage(self, chunk: int) -> int:
-        return chunk * self.pipeline_size + self.rank
 
     def _compute(self, chunk: int):
         return compute_context(self.precision, self.device.type, self.weights, chunk)
@@ -82,13 +87,12 @@ class PipelineEngine:
         """
         tokens, labels = microbatch
         for c, chunk in enumerate(self.chunks):
-            v = self.virtual_stage(c)
-            if v == 0:
+            if chunk.is_first:
                 x = tokens.to(self.device)
             else:
                 x = torch.zeros(self.activation_shape, dtype=self.activation_dtype, device=self.device,
                                 requires_grad=True)
-            is_last = v == self.num_virtual - 1
+            is_last = chunk.is_last
             with self._compute(c):
                 out = chunk(x, labels.to(self.device) if is_last else None)
             if is_last:
@@ -134,7 +138,7 @@ class PipelineEngine:
         waited = 0.0
         for action in self.actions:
             key = (action.microbatch, action.chunk)
-            v = self.virtual_stage(action.chunk)
+            chunk = self.chunks[action.chunk]
             if action.kind in ("recv_fwd", "recv_bwd"):
                 post_until(done_recvs + self.recv_ahead)
                 kind = "fwd" if action.kind == "recv_fwd" else "bwd"
@@ -147,13 +151,12 @@ class PipelineEngine:
                 post_until(done_recvs + self.recv_ahead)
             elif action.kind == "fwd":
                 tokens, labels = microbatches[action.microbatch]
-                if v == 0:
+                if chunk.is_first:
                     x = tokens.to(self.device, non_blocking=True)
                 else:
                     x = received.pop(("fwd",) + key).requires_grad_(True)
-                is_last = v == self.num_virtual - 1
-                chunk = self.chunks[action.chunk]
-                keep_embedding = self.split_backward and v == 0
+                is_last = chunk.is_last
+                keep_embedding = self.split_backward and chunk.is_first
                 with self._compute(action.chunk), \
                         capture_output(chunk.embedding) if keep_embedding else nullcontext([]) as captured:
                     out = chunk(x, labels.to(self.device, non_blocking=True) if is_last else None)
@@ -162,25 +165,27 @@ class PipelineEngine:
                 inputs[key], outputs[key] = x, out
                 if is_last:
                     losses[action.microbatch] = out.detach()
+                if action.chunk in self.local_output:  # what a send would carry, without a copy
+                    received[("fwd", action.microbatch, self.local_output[action.chunk])] = out.detach()
             elif action.kind == "send_fwd":
                 sends.append(self.links[action.peer].isend(
                     outputs[key].detach(), microbatch=action.microbatch, kind="fwd"))
             elif action.kind == "bwd":
                 out = outputs.pop(key)
-                if v == self.num_virtual - 1:
+                if chunk.is_last:
                     # Same scaling as a single-process step: mean over microbatches.
                     (out / num_micro).backward()
                 else:
                     out.backward(received.pop(("bwd",) + key))
             elif action.kind == BWD_INPUT:
                 out = outputs.pop(key)
-                if v == self.num_virtual - 1:
+                if chunk.is_last:
                     out, grad = out / num_micro, None
                 else:
                     grad = received.pop(("bwd",) + key)
-                chunk_input = embedded.pop(key) if v == 0 else inputs[key]
+                chunk_input = embedded.pop(key) if chunk.is_first else inputs[key]
                 grad_input, weight_backwards[key] = backward_input(out, grad, chunk_input)
-                if v > 0:
+                if not chunk.is_first:
                     chunk_input.grad = grad_input  # what send_bwd sends, as after a whole backward
             elif action.kind == BWD_WEIGHT:
                 weight_backwards.pop(key).run()
@@ -190,8 +195,10 @@ class PipelineEngine:
                     x.grad, microbatch=action.microbatch, kind="bwd"))
             else:
                 raise ValueError(f"unknown pipeline action {action}")
-            if action.kind in ("bwd", BWD_INPUT) and v == 0:
+            if action.kind in ("bwd", BWD_INPUT) and chunk.is_first:
                 inputs.pop(key, None)
+            if action.kind in ("bwd", BWD_INPUT) and action.chunk in self.local_input:
+                received[("bwd", action.microbatch, self.local_input[action.chunk])] = inputs.pop(key).grad
         wait_start = time.perf_counter()
         for handle in sends:
             handle.wait()
@@ -241,14 +248,14 @@ class PipelineEngine:
                     post_until(done_recvs + self.recv_ahead)
                 elif action.kind == "fwd":
                     tokens, labels = microbatches[action.microbatch]
-                    v = self.virtual_stage(action.chunk)
-                    x = tokens.to(self.device, non_blocking=True) if v == 0 else received.pop(key)
-                    is_last = v == self.num_virtual - 1
+                    chunk = self.chunks[action.chunk]
+                    x = tokens.to(self.device, non_blocking=True) if chunk.is_first else received.pop(key)
                     with self._compute(action.chunk):
-                        out = self.chunks[action.chunk](
-                            x, labels.to(self.device, non_blocking=True) if is_last else None)
-                    if is_last:
+                        out = chunk(x, labels.to(self.device, non_blocking=True) if chunk.is_last else None)
+                    if chunk.is_last:
                         losses[action.microbatch] = out
+                    elif action.chunk in self.local_output:
+                        received[(action.microbatch, self.local_output[action.chunk])] = out
                     else:
                         outputs[key] = out
                 elif action.kind == "send_fwd":

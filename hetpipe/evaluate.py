@@ -111,6 +111,7 @@ def build_validator(cfg: PretrainConfig, plan: Plan, topo: Topology, engine: Pip
     loader = validation_loader(cfg, topo.dp_rank, topo.dp_size)
     if loader is None:
         return None
-    actions = forward_only(plan.pipeline_size, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
+    actions = forward_only(plan.pipeline_size, loader.num_microbatches, plan.num_chunks,
+                           plan.schedule)[topo.pp_rank]
     return Validator(cfg.train.eval_interval, cfg.train.eval_iters, loader, engine, actions, contributes,
                      topo.dp_rank, topo.dp_size, dist.group.WORLD if topo.world_size > 1 else None, weights)

@@ -142,8 +142,18 @@ class GradNormClipper:
 
 def sync_tied_embedding_grads(chunks: Sequence[CausalLM], group: Optional[dist.ProcessGroup]) -> None:
     """Sum the gradients of the embedding and its tied head copy on the first
-    and last stage (Megatron's embedding group); a no-op when they share a rank."""
+    and last stage (Megatron's embedding group). Without a group: a no-op when
+    one chunk holds both (they are one weight), and a local sum when two
+    chunks of this rank do (zb_v's V puts the first and last stage on rank 0)."""
     if group is None:
+        tied = [chunk.embedding.weight for chunk in chunks if chunk.embedding is not None and chunk.head is None]
+        tied += [chunk.head.output.weight for chunk in chunks if chunk.head is not None
+                 and chunk.head.output is not None and chunk.embedding is None]
+        if len(tied) == 2 and chunks[0].cfg.share_embeddings_and_output_weights and \
+                all(w.grad is not None for w in tied):
+            total = tied[0].grad + tied[1].grad  # what the two-rank all-reduce adds
+            for weight in tied:
+                weight.grad.copy_(total)
         return
     for chunk in chunks:
         weight = None

@@ -33,6 +33,7 @@ from hetpipe.partitioner.catalog import catalog_with, detect_device_type
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import measure_units, save_entry
 from hetpipe.partitioner.report import Solution
+from hetpipe.partitioner.schedule_model import ESTIMATED_SCHEDULES
 from hetpipe.partitioner.solver import solve
 from hetpipe.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
 
@@ -84,7 +85,8 @@ class PlanConfig:
                               "(auto, none, selective or full), not train.recompute")
         if self.mode == "plan" and (self.partition.schedule != "1f1b" or self.partition.num_chunks != 1):
             raise ConfigError(f"the planner chooses the schedule (without interleaving): set planner.schedule "
-                              f"(auto, 1f1b, zb_h1 or gpipe), not partition.schedule={self.partition.schedule} "
+                              f"(auto, 1f1b, zb_h1 or gpipe; auto also estimates zb_v), not "
+                              f"partition.schedule={self.partition.schedule} "
                               f"or partition.num_chunks={self.partition.num_chunks}")
 
 
@@ -177,11 +179,13 @@ def format_solution(s: Solution) -> str:
 
 
 def _schedule_lines(s: Solution) -> list[str]:
-    """The best plan's step under each schedule considered, the chosen one marked."""
+    """The best plan's step under each schedule considered, the chosen one marked,
+    the ones only estimated (schedule_model.ESTIMATED_SCHEDULES) too."""
     header = ("schedule", "predicted step", "bubble", "peak memory/device")
     rows = []
     for o in s.schedule_options:
-        mark = " (chosen)" if o.schedule == s.schedule else ""
+        mark = " (chosen)" if o.schedule == s.schedule else \
+            " (estimate)" if o.schedule in ESTIMATED_SCHEDULES else ""
         if o.step_s is None:
             rows.append((o.schedule, "does not fit", "-", "-"))
         else:
@@ -189,7 +193,11 @@ def _schedule_lines(s: Solution) -> list[str]:
                          f"{o.memory_gib:.1f}/{o.usable_gib:.1f} GiB"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    return lines + ["bubble: the busiest stage's idle time; planner.schedule=NAME plans for one schedule"]
+    lines += ["bubble: the busiest stage's idle time; planner.schedule=NAME plans for one schedule"]
+    if any(o.schedule in ESTIMATED_SCHEDULES for o in s.schedule_options):
+        lines.append("estimate: priced on a contiguous split, not planned (partitioner/schedule_model.py); "
+                     "run it with partition.schedule=zb_v partition.num_chunks=2")
+    return lines
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from hetpipe.schedules import (
+from hetpipe.actions import (
     ACTION_KINDS,
     BWD,
     BWD_INPUT,
@@ -27,9 +27,9 @@ from hetpipe.schedules import (
     SEND_BWD,
     SEND_FWD,
     Action,
-    input_stage,
-    output_stage,
 )
+from hetpipe.placement import Placement
+from hetpipe.schedules import input_stage, output_stage
 
 # Relative cost of each computation in SimulationResult.makespan: the paper's
 # T_F = T_B = T_W, so a whole backward is two units.
@@ -75,7 +75,8 @@ def _describe(msg: Message) -> str:
     return f"{'F' if kind == FWD else 'B'}{mb} from virtual stage {stage}"
 
 
-def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: bool = False) -> SimulationResult:
+def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: bool = False,
+             placement: Placement | None = None) -> SimulationResult:
     """Run all ranks' action lists together and check every pipeline rule.
 
     Each round every rank attempts its next action. Sends never block and are
@@ -87,12 +88,19 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
     gradients accumulated (BWD or W) out of microbatch order, or a
     (microbatch, virtual stage) not computed exactly once each way. With
     ``forward_only`` (validation) any backward action is an error and only
-    forwards must be complete.
+    forwards must be complete. ``placement`` says which virtual stage each
+    (rank, chunk) holds; by default Megatron's interleaving of ``num_chunks``.
     """
     num_ranks = len(schedules)
     if num_ranks == 0:
         raise ScheduleError("a schedule needs at least one rank")
-    last = num_ranks * num_chunks - 1
+    if placement is None:
+        placement = Placement("interleaved_1f1b", num_ranks, num_chunks)
+    if (placement.num_ranks, placement.num_chunks) != (num_ranks, num_chunks):
+        raise ScheduleError(f"{num_ranks} ranks x {num_chunks} chunk(s) simulated under a placement of "
+                            f"{placement.num_ranks} x {placement.num_chunks}")
+    last = placement.num_stages - 1
+    rank_of = placement.rank_of
     fifos: dict[tuple[int, int], deque[Message]] = defaultdict(deque)
     stamps: dict[tuple[int, int], deque[int]] = defaultdict(deque)  # send time of each FIFO entry
     inbox: list[set[Message]] = [set() for _ in range(num_ranks)]  # received, not yet consumed
@@ -112,7 +120,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
         source = input_stage(direction, stage, last)
         if source is None:
             return  # stage 0's forward reads data; the last stage's backward starts at the loss
-        if source % num_ranks == rank:
+        if rank_of(source) == rank:
             done = forwarded if direction == FWD else backwarded
             if (action.microbatch, source) not in done:
                 raise ScheduleError(f"rank {rank}: {action} runs before its local input "
@@ -121,7 +129,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
         msg = (direction, action.microbatch, source)
         if msg not in inbox[rank]:
             raise ScheduleError(f"rank {rank}: {action} runs without having received "
-                                f"{_describe(msg)} from rank {source % num_ranks}")
+                                f"{_describe(msg)} from rank {rank_of(source)}")
         inbox[rank].remove(msg)
 
     def accumulate_in_order(rank: int, action: Action) -> None:
@@ -180,7 +188,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
             raise ScheduleError(f"rank {rank}: {action} in a forward-only schedule")
         if not 0 <= action.chunk < num_chunks or action.microbatch < 0:
             raise ScheduleError(f"rank {rank}: {action} names a chunk or microbatch out of range")
-        stage = action.chunk * num_ranks + rank
+        stage = placement.stage(rank, action.chunk)
         if action.kind in COMPUTE_KINDS:
             compute(rank, action, stage)
             return True
@@ -188,8 +196,8 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
         direction = FWD if action.kind in (SEND_FWD, RECV_FWD) else BWD
         sending = action.kind in (SEND_FWD, SEND_BWD)
         other = (output_stage if sending else input_stage)(direction, stage, last)
-        if other is None or other % num_ranks == rank or action.peer != other % num_ranks:
-            expected = "no message" if other is None or other % num_ranks == rank else f"rank {other % num_ranks}"
+        if other is None or rank_of(other) == rank or action.peer != rank_of(other):
+            expected = "no message" if other is None or rank_of(other) == rank else f"rank {rank_of(other)}"
             raise ScheduleError(f"rank {rank}: {action} has the wrong peer; virtual stage "
                                 f"{stage} exchanges {direction} with {expected}")
         if sending:
@@ -242,10 +250,10 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
             for done, name in required:
                 if (mb, stage) not in done:
                     raise ScheduleError(f"microbatch {mb} has no {name} on virtual stage {stage} "
-                                        f"(rank {stage % num_ranks}, chunk {stage // num_ranks})")
+                                        "(rank {}, chunk {})".format(*placement.location(stage)))
     if awaiting_weights:
         mb, stage = min(awaiting_weights)
         raise ScheduleError(f"microbatch {mb} has no weight backward (W) on virtual stage {stage} "
-                            f"(rank {stage % num_ranks}, chunk {stage // num_ranks}) after its input backward")
+                            "(rank {}, chunk {}) after its input backward".format(*placement.location(stage)))
     return SimulationResult(max_live_activations=peak, steps=steps, max_held_for_weights=peak_held,
                             max_in_flight=peak_in_flight, makespan=max(clock))

@@ -11,63 +11,40 @@ matching per ordered pair of ranks, as NCCL point-to-point) to prove a
 schedule correct. This module only generates; the checker is a module of its
 own so that the engine, which imports the action types, carries no simulator.
 
-Virtual stages follow Megatron's interleaving: chunk ``c`` on rank ``r`` is
-virtual stage ``v = c * P + r``; stage 0 reads the inputs and stage
-``P * num_chunks - 1`` computes the loss. A hand-off between consecutive
-virtual stages on the *same* rank (only possible with ``P == 1`` and several
-chunks) is local: no message, the engine passes the tensor in-process.
+Which virtual stage a (rank, chunk) holds is :mod:`hetpipe.placement`'s
+answer: Megatron's interleaving (chunk ``c`` on rank ``r`` is stage
+``c * P + r``) for all but ``zb_v``, whose two chunks form a V (stages ``r``
+and ``2P - 1 - r``). Stage 0 reads the inputs and the last stage computes
+the loss. A hand-off between consecutive virtual stages on the *same* rank
+(the V's turn on rank P-1, or one rank with several chunks) is local: no
+message, the engine passes the tensor in-process.
 
-Every receive is immediately followed by the computation that consumes it,
-and every send immediately follows the computation that produced it, so the
-engine can pair them with their neighbour; :func:`_with_communication` says
-why that order is also consistent with FIFO matching.
+Every send immediately follows the computation that produced it, and every
+receive immediately precedes the computation that consumes it, unless FIFO
+matching needs it earlier (only zb_v's do); :func:`_with_communication` says
+why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from hetpipe.actions import (
+    BWD,
+    BWD_INPUT,
+    BWD_WEIGHT,
+    FWD,
+    RECV_BWD,
+    RECV_FWD,
+    SEND_BWD,
+    SEND_FWD,
+    Action,
+    Compute,
+)
 from hetpipe.errors import ConfigError
+from hetpipe.placement import Placement, check_chunks
+from hetpipe.schedule_zbv import v_orders
 
-FWD, BWD = "fwd", "bwd"
-# Zero-bubble split backward (Qi et al., "Zero Bubble Pipeline Parallelism",
-# ICLR 2024): BWD_INPUT ("B" in the paper) is the gradient with respect to
-# the unit's input, which the previous stage waits for; BWD_WEIGHT ("W") the
-# weight gradients, which nobody waits for and so can fill a bubble. A unit
-# has either one BWD or one BWD_INPUT followed, later, by its BWD_WEIGHT.
-BWD_INPUT, BWD_WEIGHT = "bwd_input", "bwd_weight"
-SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD = "send_fwd", "recv_fwd", "send_bwd", "recv_bwd"
-ACTION_KINDS = (RECV_FWD, FWD, SEND_FWD, RECV_BWD, BWD, BWD_INPUT, BWD_WEIGHT, SEND_BWD)
-COMPUTE_KINDS = (FWD, BWD, BWD_INPUT, BWD_WEIGHT)
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
 # Schedules whose backward is split into B and W (models/split_backward.py).
-SPLIT_BACKWARD_SCHEDULES = ("zb_h1",)
-
-# (fwd|bwd, microbatch, chunk): one computation on one rank.
-Compute = tuple[str, int, int]
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one pipeline rank.
-
-    ``chunk`` is the model chunk on this rank that computes, or whose
-    activations/gradients are sent or received; ``peer`` is the rank on the
-    other end of a send or receive and ``None`` for computations.
-    """
-
-    kind: str
-    microbatch: int
-    chunk: int = 0
-    peer: int | None = None
-
-    def __str__(self) -> str:
-        letter = {FWD: "F", BWD: "B", BWD_INPUT: "Bi", BWD_WEIGHT: "W", SEND_FWD: "F", RECV_FWD: "F"}
-        unit = f"{letter.get(self.kind, 'B')}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
-        if self.kind.startswith("send_"):
-            return f"send{unit}->{self.peer}"
-        if self.kind.startswith("recv_"):
-            return f"recv{unit}<-{self.peer}"
-        return unit
+SPLIT_BACKWARD_SCHEDULES = ("zb_h1", "zb_v")
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -79,7 +56,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     _check_sizes(num_stages, num_microbatches, 1)
     order = [(FWD, m, 0) for m in range(num_microbatches)]
     order += [(BWD, m, 0) for m in range(num_microbatches)]
-    return _with_communication([order] * num_stages, 1)
+    return _with_communication([order] * num_stages, Placement("gpipe", num_stages))
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -98,7 +75,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
             order += [(FWD, m + warmup, 0), (BWD, m, 0)]
         order += [(BWD, m, 0) for m in range(num_microbatches - warmup, num_microbatches)]
         orders.append(order)
-    return _with_communication(orders, 1)
+    return _with_communication(orders, Placement("1f1b", num_stages))
 
 
 def interleaved_one_f_one_b(
@@ -131,7 +108,7 @@ def interleaved_one_f_one_b(
             order += [unit(k + warmup, FWD), unit(k, BWD)]
         order += [unit(k, BWD) for k in range(total - warmup, total)]
         orders.append(order)
-    return _with_communication(orders, num_chunks)
+    return _with_communication(orders, Placement("interleaved_1f1b", num_stages, num_chunks))
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -171,23 +148,38 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
                 order.append(weight())
         order += [weight() for _ in range(next_w, num_microbatches)]
         orders.append(order)
-    return _with_communication(orders, 1)
+    return _with_communication(orders, Placement("zb_h1", num_stages))
 
 
-def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> list[list[Action]]:
-    """Validation: every rank receives, forwards and sends each microbatch; no backward.
+def zb_v(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-V: two chunks per rank in a V, backwards split into B and W, for
+    any number of microbatches; the order and its bubble and memory are in
+    :mod:`hetpipe.schedule_zbv`."""
+    _check_sizes(num_stages, num_microbatches, 1)
+    return _with_communication(v_orders(num_stages, num_microbatches), Placement("zb_v", num_stages, 2))
+
+
+def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1,
+                 schedule: str = "1f1b") -> list[list[Action]]:
+    """Validation under ``schedule``'s placement: every rank receives, forwards
+    and sends each microbatch; no backward.
 
     Each rank runs the forwards in the order its training schedule does
-    (microbatch order; interleaved units for several chunks), so every pair
-    of ranks carries its messages in the order the receiver consumes them,
-    and a rank only ever waits for an earlier virtual stage: no deadlock, and
-    nothing is kept once it has been sent on.
+    (microbatch order; interleaved units for several chunks; ZB-V's forwards
+    for a V), so every pair of ranks carries its messages in the order the
+    receiver consumes them, and a rank only ever waits for an earlier virtual
+    stage: no deadlock, and nothing is kept once it has been sent on (in a V,
+    rank P-1's chunk-0 output until its chunk-1 forward, the next one).
     """
     _check_sizes(num_stages, num_microbatches, num_chunks)
+    if schedule == "zb_v":
+        check_chunks(schedule, num_chunks)
+        orders = [[unit for unit in order if unit[0] == FWD] for order in v_orders(num_stages, num_microbatches)]
+        return _with_communication(orders, Placement(schedule, num_stages, 2))
     if num_chunks > 1:
         _check_groups("forward_only with several chunks", num_stages, num_microbatches)
     order = [_interleaved_unit(k, FWD, num_stages, num_chunks) for k in range(num_microbatches * num_chunks)]
-    return _with_communication([order] * num_stages, num_chunks)
+    return _with_communication([order] * num_stages, Placement(schedule, num_stages, num_chunks))
 
 
 def build_schedule(
@@ -198,6 +190,9 @@ def build_schedule(
         return interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks)
     if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "zb_v":
+        check_chunks(name, num_chunks)
+        return zb_v(num_stages, num_microbatches)
     if num_chunks != 1:
         raise ConfigError(f"schedule {name!r} runs one chunk per rank, got num_chunks={num_chunks}; "
                           "use interleaved_1f1b for several")
@@ -246,36 +241,76 @@ def output_stage(kind: str, stage: int, last: int) -> int | None:
     return target if 0 <= target <= last else None
 
 
-def _with_communication(orders: list[list[Compute]], num_chunks: int) -> list[list[Action]]:
+def _with_communication(orders: list[list[Compute]], placement: Placement) -> list[list[Action]]:
     """Add sends and receives to each rank's computation order.
 
-    A receive goes right before the computation that consumes it and a send
-    right after the one that produced it. The transport matches messages FIFO
-    per (sender, receiver) pair, so this is only correct if each receiver
-    consumes a pair's messages in the order they were sent. With P >= 3 a pair
-    carries one direction only and both ends walk microbatches in the same
-    order. With P == 2 and interleaving, rank 0 sends rank 1 both activations
-    (chunk c) and gradients (chunk c + 1); Megatron's warm-up, two forwards
-    longer per rank, is what makes rank 1 need them in exactly the order rank
-    0 produces them, so no receive has to move. :func:`hetpipe.schedule_check.simulate`
-    checks it.
+    A send goes right after the computation that produced it, and a receive
+    right before the one that consumes it, unless FIFO matching needs it
+    earlier. The transport matches messages FIFO per (sender, receiver) pair,
+    so each receiver must post a pair's receives in the order they were sent.
+    With P >= 3 and one chunk a pair carries one direction only and both ends
+    walk microbatches in the same order. With P == 2 and interleaving, rank 0
+    sends rank 1 both activations (chunk c) and gradients (chunk c + 1);
+    Megatron's warm-up, two forwards longer per rank, is what makes rank 1
+    need them in exactly the order rank 0 produces them. Under the V
+    placement every pair carries activations of one chunk and gradients of
+    the other, and zb_v's ranks consume them in another order than their
+    neighbour produces them: such a receive moves up to just before the
+    pair's next receive (:func:`_in_send_order`). That never waits longer
+    than the next receive would have, so it adds no deadlock, and it keeps
+    every existing schedule's lists as they were.
+    :func:`hetpipe.schedule_check.simulate` checks all of it.
     """
-    num_ranks = len(orders)
-    last = num_ranks * num_chunks - 1
-    schedules = []
+    actions = []
     for rank, order in enumerate(orders):
-        actions: list[Action] = []
+        listed: list[Action] = []
         for kind, mb, chunk in order:
-            stage = chunk * num_ranks + rank
+            stage = placement.stage(rank, chunk)
             if kind == BWD_WEIGHT:  # local work: nothing to receive or send
-                actions.append(Action(kind, mb, chunk))
+                listed.append(Action(kind, mb, chunk))
                 continue
-            source = input_stage(kind, stage, last)
-            if source is not None and source % num_ranks != rank:
-                actions.append(Action(RECV_FWD if kind == FWD else RECV_BWD, mb, chunk, source % num_ranks))
-            actions.append(Action(kind, mb, chunk))
-            target = output_stage(kind, stage, last)
-            if target is not None and target % num_ranks != rank:
-                actions.append(Action(SEND_FWD if kind == FWD else SEND_BWD, mb, chunk, target % num_ranks))
-        schedules.append(actions)
-    return schedules
+            source = input_stage(kind, stage, placement.num_stages - 1)
+            if source is not None and placement.rank_of(source) != rank:
+                listed.append(Action(RECV_FWD if kind == FWD else RECV_BWD, mb, chunk, placement.rank_of(source)))
+            listed.append(Action(kind, mb, chunk))
+            target = output_stage(kind, stage, placement.num_stages - 1)
+            if target is not None and placement.rank_of(target) != rank:
+                listed.append(Action(SEND_FWD if kind == FWD else SEND_BWD, mb, chunk, placement.rank_of(target)))
+        actions.append(listed)
+    return [_in_send_order(rank, listed, actions, placement) for rank, listed in enumerate(actions)]
+
+
+def _in_send_order(rank: int, listed: list[Action], everyone: list[list[Action]],
+                   placement: Placement) -> list[Action]:
+    """``listed`` with each receive moved up, where needed, to just before the
+    next receive from the same peer in that peer's send order."""
+    last = placement.num_stages - 1
+
+    def message(owner: int, action: Action) -> tuple[str, int, int]:
+        """(direction, microbatch, sender's virtual stage): what a send or receive
+        in rank ``owner``'s list carries."""
+        direction = FWD if action.kind in (SEND_FWD, RECV_FWD) else BWD
+        stage = placement.stage(owner, action.chunk)
+        return direction, action.microbatch, stage if action.kind.startswith("send_") else \
+            input_stage(direction, stage, last)
+
+    body: list[Action] = []
+    before: dict[Action, int] = {}  # receive -> index in body of the action it precedes
+    for action in listed:
+        if action.kind.startswith("recv_"):
+            before[action] = len(body)
+        else:
+            body.append(action)
+    moved: dict[Action, int] = {}  # moved receive -> its place in the pair's messages
+    for peer in sorted({a.peer for a in before}):
+        mine = {message(rank, a): a for a in before if a.peer == peer}
+        pair = [mine[message(peer, a)] for a in everyone[peer] if a.kind.startswith("send_") and a.peer == rank]
+        nxt = len(body)
+        for index in range(len(pair) - 1, -1, -1):
+            if nxt < before[pair[index]]:
+                before[pair[index]], moved[pair[index]] = nxt, index
+            nxt = before[pair[index]]
+    due: dict[int, list[Action]] = {}
+    for recv in sorted(before, key=lambda r: (r not in moved, moved.get(r, 0))):  # moved first, in pair order
+        due.setdefault(before[recv], []).append(recv)
+    return [a for index, action in enumerate(body) for a in due.get(index, []) + [action]]

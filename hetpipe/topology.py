@@ -154,20 +154,13 @@ class Topology:
 
     @property
     def neighbours(self) -> list[int]:
-        """Pipeline stages this rank exchanges activations with (wrapping when interleaved)."""
-        p = self.pipeline_size
-        if p == 1:
-            return []
-        if self.plan.num_chunks > 1:
-            return sorted({(self.pp_rank - 1) % p, (self.pp_rank + 1) % p})
-        return [s for s in (self.pp_rank - 1, self.pp_rank + 1) if 0 <= s < p]
+        """Pipeline stages this rank exchanges activations with: the ranks of the
+        virtual stages next to its own (hetpipe.placement; wrapping when interleaved)."""
+        return self.plan.placement.neighbours(self.pp_rank)
 
     def _stage_pairs(self) -> list[tuple[int, int]]:
         """Ordered (stage, stage) pairs that exchange messages, both directions."""
-        p = self.pipeline_size
-        pairs = {(s, (s + 1) % p) for s in range(p)} if self.plan.num_chunks > 1 else \
-            {(s, s + 1) for s in range(p - 1)}
-        return sorted({d for a, b in pairs for d in ((a, b), (b, a)) if a != b})
+        return self.plan.placement.rank_pairs()
 
     def routes(self, src_stage: int, dst_stage: int) -> list[tuple[int, int]]:
         """(sender rank, receiver rank) pairs that carry stage ``src_stage``'s
@@ -219,7 +212,7 @@ class Topology:
                                     max_ctas=self.cluster.transport.nccl_max_ctas)
             if self.rank in (src, dst):
                 self.p2p_groups[(src, dst)] = group
-        last = (len(self.plan.stages) - 1) % self.pipeline_size
+        last = self.plan.placement.rank_of(len(self.plan.stages) - 1)  # 0 in a V: no group, a local sum
         if tied_embeddings and last != 0:
             first_stage, last_stage = self.stages[0], self.stages[last]
             for i, (a, b) in enumerate(zip(first_stage.ranks, last_stage.ranks)):

@@ -150,19 +150,20 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
 
 
 def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
-    """This rank's model chunks: built whole from the seed, then cut to its TP shard."""
+    """This rank's model chunks: built whole from the seed, then cut to its TP shard.
+    Chunk c holds the units of the virtual stage the plan's placement gives it."""
     ranges = plan.unit_ranges()
-    P = plan.pipeline_size
     chunks = []
     if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         allow_retained_graphs()
     for c in range(plan.num_chunks):
-        chunk = build_model(cfg.model, seed=cfg.train.seed, units=ranges[c * P + topo.pp_rank], device=topo.device)
+        v = plan.placement.stage(topo.pp_rank, c)
+        chunk = build_model(cfg.model, seed=cfg.train.seed, units=ranges[v], device=topo.device)
         if topo.tp_size > 1:
             chunk = parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
                                        sequence_parallel=cfg.partition.sequence_parallel)
         set_attention_backend(chunk, cfg.train.attention_backend)
-        stage = plan.stages[c * P + topo.pp_rank]
+        stage = plan.stages[v]
         set_recompute(chunk, stage.recompute, stage.recompute_num_layers)
         if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
             fuse_elementwise(chunk)

@@ -307,11 +307,12 @@ class CostContext:
         credit = 2 * schedule_model.weight_credit(schedule, P, M)
         path = time - credit * np.stack([np.zeros_like(base[0].weight)] + [c.weight for c in base[1:]])
         sync = np.stack([c.sync for c in base])
-        tied = self.tied_sync_s(cand)
+        tied = 0.0 if schedule_model.ties_on_one_rank(schedule) else self.tied_sync_s(cand)
         if tied:
             sync[0, 0, :] += tied
             sync[-1, :, -1] += tied
-        links = [self.link_s(cand, layout[k], layout[k + 1]) for k in range(P - 1)]
+        messages = schedule_model.boundary_messages(schedule)
+        links = [messages * self.link_s(cand, layout[k], layout[k + 1]) for k in range(P - 1)]
         return SplitProblem(time=time, path=path, sync=sync,
                             feasible=np.stack([c.feasible for c in choices]),
                             memory=np.stack([c.memory for c in choices]),

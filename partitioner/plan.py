@@ -3,9 +3,11 @@
 A plan is data (YAML-serialisable): the partitioner writes one, and
 ``pretrain`` reads one or builds it from explicit overrides such as
 ``partition.layers=[15,17]``. Stages are *virtual* stages in pipeline order;
-with interleaving (``num_chunks`` > 1) rank r holds virtual stages
-r, r + P, r + 2P, ... The embedding always sits on the first virtual stage and
-the output head on the last, so a stage's unit range is its layers plus those.
+with several chunks per rank (``num_chunks`` > 1) :mod:`hetpipe.placement`
+says which rank holds which: r, r + P, r + 2P, ... interleaved, or r and
+2P - 1 - r in zb_v's V. The embedding always sits on the first virtual stage
+and the output head on the last, so a stage's unit range is its layers plus
+those.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import yaml
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.schedules import SCHEDULES
+from hetpipe.placement import Placement, check_chunks
+from hetpipe.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 
 @dataclass
@@ -49,8 +52,9 @@ class Plan:
             raise ConfigError(f"plan schedule {self.schedule!r} is not one of {SCHEDULES}")
         if self.num_chunks < 1 or len(self.stages) % self.num_chunks:
             raise ConfigError(f"plan has {len(self.stages)} stages, not a multiple of num_chunks={self.num_chunks}")
-        if self.num_chunks > 1 and self.schedule != "interleaved_1f1b":
-            raise ConfigError("num_chunks > 1 needs schedule=interleaved_1f1b")
+        check_chunks(self.schedule, self.num_chunks)
+        if self.num_chunks > 1 and self.schedule not in ("interleaved_1f1b", "zb_v"):
+            raise ConfigError("num_chunks > 1 needs schedule=interleaved_1f1b (or zb_v, for two)")
         if any(s.layers < 0 for s in self.stages):
             raise ConfigError(f"plan has a negative layer count: {[s.layers for s in self.stages]}")
         for v, s in enumerate(self.stages):
@@ -59,16 +63,21 @@ class Plan:
                                   f"{', '.join(RECOMPUTE_MODES)}")
             if s.recompute_num_layers is not None and s.recompute_num_layers < 0:
                 raise ConfigError(f"plan stage {v}: recompute_num_layers={s.recompute_num_layers} is negative")
-            if self.schedule == "zb_h1" and s.recompute == "full":
+            if self.schedule in SPLIT_BACKWARD_SCHEDULES and s.recompute == "full":
                 # W reruns single nodes of a layer's graph after B; a fully
                 # recomputed layer would rerun its whole forward for each.
-                raise ConfigError(f"plan stage {v}: recompute=full cannot run under schedule zb_h1 (its "
-                                  "deferred weight gradients would recompute the layer again); use selective")
+                raise ConfigError(f"plan stage {v}: recompute=full cannot run under schedule {self.schedule} "
+                                  "(its deferred weight gradients would recompute the layer again); use selective")
 
     @property
     def pipeline_size(self) -> int:
         """Pipeline ranks (P); virtual stages = P * num_chunks."""
         return len(self.stages) // self.num_chunks
+
+    @property
+    def placement(self) -> Placement:
+        """Which virtual stage each (pipeline rank, chunk) holds under this plan's schedule."""
+        return Placement(self.schedule, self.pipeline_size, self.num_chunks)
 
     @property
     def num_layers(self) -> int:

@@ -16,7 +16,7 @@ from hetpipe.cluster import ClusterConfig
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.partitioner import cost
+from hetpipe.partitioner import cost, schedule_model
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan import Plan, StagePlan
 from hetpipe.partitioner.split import Split
@@ -91,8 +91,13 @@ class Solution:
             "cost_source": dict(self.cost_source),
             "cross_vendor_transport": self.transport,
             "predicted_step_s_by_schedule": {o.schedule: None if o.step_s is None else _round(o.step_s)
-                                             for o in self.schedule_options},
+                                             for o in self.schedule_options
+                                             if o.schedule not in schedule_model.ESTIMATED_SCHEDULES},
         }
+        estimated = {o.schedule: None if o.step_s is None else _round(o.step_s) for o in self.schedule_options
+                     if o.schedule in schedule_model.ESTIMATED_SCHEDULES}
+        if estimated:  # listed for comparison, never planned (schedule_model)
+            notes["estimated_step_s_by_schedule"] = estimated
         if list(self.group_order) != [g.name for g in self.cluster.groups if g.name in self.group_order]:
             notes["reordered"] = ("the pipeline visits the groups in group_order, not in the cluster's "
                                   "order; ranks keep the cluster's numbering")

@@ -19,6 +19,7 @@ from hetpipe.models.parallelize import check_tensor_parallel
 from hetpipe.partitioner.inputs import PartitionRequest, PlanRequest, TrainShape
 from hetpipe.partitioner.plan import Plan, StagePlan, even_split
 from hetpipe.partitioner.solver import plan_for
+from hetpipe.placement import Placement
 
 
 def group_tp_degrees(partition: PartitionRequest, cluster: ClusterConfig) -> list[int]:
@@ -49,8 +50,9 @@ def build_plan(partition: PartitionRequest, cluster: ClusterConfig, model: Model
         for j in range(g.size // per_stage):
             physical.append((g.name, list(range(start + j * per_stage, start + (j + 1) * per_stage)), tps[i]))
     p = len(physical)
-    if partition.num_chunks > 1 and p == 1:
+    if partition.num_chunks > 1 and p == 1 and partition.schedule == "interleaved_1f1b":
         raise ConfigError("partition.num_chunks > 1 (interleaving) needs at least two pipeline stages")
+    placement = Placement(partition.schedule, p, partition.num_chunks)
     virtual = p * partition.num_chunks
     layers = list(partition.layers) if partition.layers is not None else even_split(model.num_layers, virtual)
     if len(layers) != virtual:
@@ -59,7 +61,7 @@ def build_plan(partition: PartitionRequest, cluster: ClusterConfig, model: Model
                           f"= {virtual} (virtual) stages")
     stages = []
     for v, n in enumerate(layers):
-        group, ranks, tp = physical[v % p]
+        group, ranks, tp = physical[placement.rank_of(v)]
         stages.append(StagePlan(group=group, ranks=list(ranks), layers=n, tp=tp, dp=dp))
     plan = Plan(stages=stages, schedule=partition.schedule, num_chunks=partition.num_chunks)
     plan.check_model(model.num_layers)
@@ -112,8 +114,8 @@ def check_runnable(plan: Plan, cluster: ClusterConfig, train: TrainShape,
                    model: Optional[ModelConfig] = None) -> None:
     """Refuse plans this release cannot run, each with one sentence naming the problem."""
     world = cluster.world_size
-    p = plan.pipeline_size
     seen: dict[int, int] = {}
+    placement = plan.placement
     for v, stage in enumerate(plan.stages):
         if len(stage.ranks) != stage.tp * stage.dp:
             raise ConfigError(f"plan stage {v} has {len(stage.ranks)} ranks {stage.ranks} but TP{stage.tp} x "
@@ -125,11 +127,14 @@ def check_runnable(plan: Plan, cluster: ClusterConfig, train: TrainShape,
             if cluster.group_of(r)[1].name != stage.group:
                 raise ConfigError(f"plan stage {v} is on group {stage.group!r} but its rank {r} belongs to "
                                   f"{cluster.group_of(r)[1].name!r}")
-        if v >= p:
-            first = plan.stages[v % p]
+        rank, chunk = placement.location(v)
+        if chunk > 0:
+            home = placement.stage(rank, 0)
+            first = plan.stages[home]
             if stage.ranks != first.ranks or stage.tp != first.tp:
-                raise ConfigError(f"plan virtual stage {v} must sit on the ranks of stage {v % p} "
-                                  f"({first.ranks}, TP{first.tp}) with num_chunks={plan.num_chunks}")
+                raise ConfigError(f"plan virtual stage {v} must sit on the ranks of stage {home} "
+                                  f"({first.ranks}, TP{first.tp}) with num_chunks={plan.num_chunks} "
+                                  f"under {plan.schedule}")
             continue
         for r in stage.ranks:
             if r in seen:

@@ -34,6 +34,26 @@ microbatches each stage keeps in flight, which is all this module says:
   stage, so it only wins where nothing else is allowed. Its time is taken as
   1F1B's (for unequal stages GPipe's is a little longer: a lower estimate).
 
+* **zb_v** (two chunks per rank in a V, :mod:`hetpipe.schedule_zbv`) is
+  *estimated*, not planned: rank r holds virtual stages r and 2P - 1 - r,
+  two unit ranges, which a split into contiguous stages cannot express. So
+  ``plan`` (with ``planner.schedule=auto``) prices it on a contiguous split
+  as if each rank ran its stage's units as two equal chunks, with the
+  simulator's own counts for what the V changes: its unit-cost makespan (a
+  chunk's F = B = W = 1, a rank's t = 6, w = 2) is
+  ``6M + max(P - 1, 4P - 2 - 2M)`` - one chunk forward per later rank once
+  ``M >= 2P - 1`` - so ``p_k = t_k - 2 kappa w_k`` for k > 0 with ``kappa =
+  (6 - max(1, (4P - 2 - 2M) / (P - 1))) / 4`` (5/4 when full); rank s holds
+  ``min(2P, M + 1 + s, 2M)`` chunks between F and W, half as many whole
+  ranks' activations (rounded up: P on every rank once full, 1F1B's peak on
+  its first stage); each boundary carries both chunks' messages (links
+  count twice); the tied embedding and head share rank 0 (no tied sync).
+  Both closed forms equal the simulator's numbers for every P <= 6 and
+  M <= 13 (``tests/test_partitioner_schedules.py``). The estimate is
+  listed beside the planned schedules, never chosen: planning V layouts
+  needs the split search on the model folded in half (rank r's two ranges
+  are one contiguous range of the folded units), which it does not do.
+
 Interleaved 1F1B is not modelled: its virtual stages need a split of
 ``P x num_chunks`` ranges with a different pacing, which the split search
 does not solve.
@@ -44,9 +64,12 @@ import numpy as np
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
+from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES
 
 # In the order the planner reports them and breaks ties by (least memory first).
 PLANNED_SCHEDULES = ("1f1b", "zb_h1", "gpipe")
+# Priced on the same splits and listed after them, never planned (see zb_v above).
+ESTIMATED_SCHEDULES = ("zb_v",)
 
 
 def schedules_for(schedule: str, recompute: str) -> tuple[str, ...]:
@@ -54,6 +77,10 @@ def schedules_for(schedule: str, recompute: str) -> tuple[str, ...]:
     if schedule == "auto":
         # Full recomputation everywhere leaves zb_h1 nothing it can run.
         return tuple(s for s in PLANNED_SCHEDULES if not (s == "zb_h1" and recompute == "full"))
+    if schedule in ESTIMATED_SCHEDULES:
+        raise ConfigError(f"planner.schedule={schedule}: the planner estimates {schedule}'s step beside the others "
+                          "(planner.schedule=auto) but does not plan its V layouts; run it with "
+                          f"partition.schedule={schedule} partition.num_chunks=2")
     if schedule not in PLANNED_SCHEDULES:
         raise ConfigError(f"planner.schedule={schedule!r} is not one of auto, {', '.join(PLANNED_SCHEDULES)} "
                           "(the planner does not model interleaved_1f1b)")
@@ -63,10 +90,16 @@ def schedules_for(schedule: str, recompute: str) -> tuple[str, ...]:
     return (schedule,)
 
 
+def estimated_for(schedule: str, recompute: str) -> tuple[str, ...]:
+    """The schedules ``plan`` estimates beside the ones it plans: with ``auto``, zb_v
+    (unless every layer recomputes in full, which it cannot run)."""
+    return ESTIMATED_SCHEDULES if schedule == "auto" and recompute != "full" else ()
+
+
 def recompute_modes(schedule: str, modes: tuple[str, ...]) -> tuple[str, ...]:
-    """The recomputation modes a stage may run under ``schedule``: zb_h1's
-    deferred W would rerun a fully recomputed layer's forward again."""
-    return tuple(m for m in modes if not (schedule == "zb_h1" and m == "full"))
+    """The recomputation modes a stage may run under ``schedule``: a zero-bubble
+    schedule's deferred W would rerun a fully recomputed layer's forward again."""
+    return tuple(m for m in modes if not (schedule in SPLIT_BACKWARD_SCHEDULES and m == "full"))
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
@@ -76,15 +109,37 @@ def in_flight(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarr
         return np.full(P, M)
     if schedule == "zb_h1":
         return np.full(P, min(P, M))
+    if schedule == "zb_v":  # chunks between F and W, in whole ranks: halved, rounded up
+        return -(-np.minimum(np.minimum(2 * P, M + 1 + np.arange(P)), 2 * M) // 2)
     return np.minimum(P - np.arange(P), M)
 
 
 def weight_credit(schedule: str, num_stages: int, num_microbatches: int) -> float:
-    """kappa in ``p_k = t_k - 2 kappa w_k`` (k > 0): 1 for zb_h1 with M >= P, 0 for the others."""
+    """kappa in ``p_k = t_k - 2 kappa w_k`` (k > 0): 1 for zb_h1 with M >= P,
+    5/4 for zb_v with M >= 2P - 1, 0 for the others."""
     P, M = num_stages, num_microbatches
-    if schedule != "zb_h1" or P == 1:
+    if P == 1:
         return 0.0
-    return (P - 2 + min(M, P)) / (2 * (P - 1))
+    if schedule == "zb_h1":
+        return (P - 2 + min(M, P)) / (2 * (P - 1))
+    if schedule == "zb_v":
+        return (6 - max(1.0, (4 * P - 2 - 2 * M) / (P - 1))) / 4
+    return 0.0
+
+
+# The largest weight_credit of each schedule, for the search's lower bounds.
+MAX_WEIGHT_CREDIT = {"zb_h1": 1.0, "zb_v": 1.25}
+
+
+def boundary_messages(schedule: str) -> int:
+    """Messages each way over a boundary per microbatch: both chunks' in a V."""
+    return 2 if schedule == "zb_v" else 1
+
+
+def ties_on_one_rank(schedule: str) -> bool:
+    """Whether the embedding and the head sit on one rank (zb_v's rank 0), so a
+    tied weight needs no sync across ranks."""
+    return schedule == "zb_v"
 
 
 def weight_backward_s(model: ModelConfig, micro_batch_size: int, seq_length: int, forward_s: np.ndarray,

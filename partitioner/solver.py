@@ -16,7 +16,8 @@ the best plan found, which is what keeps 1024 GPUs under a few seconds.
 With ``planner.schedule=auto`` the search runs once per schedule (each
 schedule changes the memory every stage needs, so the candidates that fit,
 and its own bounds) and the fastest plan wins; the others are reported
-beside it.
+beside it, and so is zb_v's estimate (searched the same way, never chosen:
+:mod:`hetpipe.partitioner.schedule_model`).
 :mod:`hetpipe.partitioner.cost_context` prices each candidate and
 :mod:`hetpipe.partitioner.report` describes the winner.
 """
@@ -48,8 +49,8 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     solver then only chooses the rest (groups' order and stages, TP, DP,
     microbatches, recomputation per stage, the schedule) and predicts that
     split. The solution's ``schedule_options`` hold the best plan's step under
-    every schedule considered. Raises :class:`ConfigError` for impossible
-    input, naming what does not fit.
+    every schedule considered, estimated ones (zb_v) last. Raises
+    :class:`ConfigError` for impossible input, naming what does not fit.
     """
     planner = planner or PlannerConfig()
     if train.seq_length > model.max_position_embeddings:
@@ -73,6 +74,13 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
         options.append(ScheduleOption.of(found[-1]))
     if not found:
         raise _no_fit_error(ctx, lean_blocks, fixed, options[0].schedule)
+    # Estimated, never chosen (schedule_model: zb_v's V layouts are not contiguous splits).
+    for schedule in schedule_model.estimated_for(planner.schedule, planner.recompute):
+        blocks = _enumerate(ctx, None if fixed is None else len(fixed) - 1, schedule)
+        best, count = _search(ctx, blocks, fixed, schedule)
+        solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
+        options.append(ScheduleOption(schedule, None) if best is None else
+                       ScheduleOption.of(build_solution(ctx, *best, schedule)))
     # Ties go to the schedule listed first (PLANNED_SCHEDULES: least memory first).
     solution = min(found, key=lambda s: s.step_s)
     solution.schedule_options = options
@@ -171,8 +179,8 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
                     continue
                 units = [ctx.unit_costs(g, tps[g], mbs, bound_mode, False) for g in range(G)]
                 stage_lb, sum_lb = _balance_bounds([u.time_s for u in units], grid)
-                if schedule == "zb_h1":
-                    sum_lb = _zero_bubble_path_bound(ctx, units, mbs)
+                if schedule in schedule_model.MAX_WEIGHT_CREDIT:
+                    sum_lb = _zero_bubble_path_bound(ctx, units, mbs, schedule_model.MAX_WEIGHT_CREDIT[schedule])
                 for order in orders:
                     probe = Candidate(order, tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
                     cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
@@ -204,13 +212,14 @@ def _balance_bounds(unit_times: list[np.ndarray], grid: np.ndarray) -> tuple[np.
     return bound, float(cheapest.sum())
 
 
-def _zero_bubble_path_bound(ctx: CostContext, units: list[cost.UnitCosts], mbs: int) -> float:
-    """A lower bound on zb_h1's sum_k p_k: a unit off the first stage gives
-    back at most 2 w (weight_credit <= 1); the embedding never leaves it."""
+def _zero_bubble_path_bound(ctx: CostContext, units: list[cost.UnitCosts], mbs: int, credit: float) -> float:
+    """A lower bound on a zero-bubble schedule's sum_k p_k: a unit off the first
+    stage gives back at most 2 credit w (credit: the schedule's largest
+    weight_credit); the embedding never leaves it."""
     paths = []
     for u in units:
         w = schedule_model.weight_backward_s(ctx.model, mbs, ctx.train.seq_length, u.forward_s, u.backward_s)
-        path = u.time_s - 2 * w
+        path = u.time_s - 2 * credit * w
         path[0] = u.time_s[0]
         paths.append(path)
     return float(np.min(np.stack(paths), axis=0).sum())

@@ -74,7 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 # hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.
-HETPIPE_SCHEDULES = tuple(name for name in SCHEDULES if name != "interleaved_1f1b")
+HETPIPE_SCHEDULES = tuple(name for name in SCHEDULES if name not in ("interleaved_1f1b", "zb_v"))
 
 # Both hetpipe and the peer follow this optimizer schedule: lr 3e-4 (the
 # default) after 2000 warmup steps, as in a real LLaMA-3-8B run's first steps.

@@ -15,6 +15,7 @@ from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.solver import solve
 from hetpipe.partitioner.split import step_time_s
 from hetpipe.pretrain_config import TrainConfig
+from hetpipe.placement import Placement
 from hetpipe.schedule_check import simulate
 from hetpipe.schedules import build_schedule
 
@@ -82,7 +83,7 @@ def test_auto_picks_zero_bubble_where_it_fits_and_1f1b_where_memory_forbids_it()
     roomy = solve(MODEL, _paper(), TRAIN, PlannerConfig(schedule="auto", **fixed), [16, 16])
     assert roomy.schedule == "zb_h1"
     options = {o.schedule: o for o in roomy.schedule_options}
-    assert list(options) == ["1f1b", "zb_h1", "gpipe"]
+    assert list(options) == ["1f1b", "zb_h1", "gpipe", "zb_v"]  # zb_v estimated, listed last
     assert options["zb_h1"].step_s < options["1f1b"].step_s <= options["gpipe"].step_s
     plan = roomy.to_plan()
     assert plan.schedule == "zb_h1" and plan.notes["predicted_step_s_by_schedule"]["1f1b"] > roomy.step_s
@@ -106,3 +107,42 @@ def test_schedule_choices_are_checked():
     # Under zb_h1 the planner never recomputes in full, so Plan accepts what it writes.
     assert schedule_model.recompute_modes("zb_h1", ("none", "selective", "full")) == ("none", "selective")
     assert np.all(schedule_model.in_flight("zb_h1", 4, 8) == 4)
+
+
+@pytest.mark.parametrize("P", range(1, 7))
+@pytest.mark.parametrize("M", (1, 2, 3, 4, 5, 8, 13))
+def test_zb_v_estimate_uses_the_simulators_counts(P, M):
+    """A rank's two chunks, each F = B = W = 1: t = 6 per microbatch, of which w = 2 is W."""
+    run = simulate(build_schedule("zb_v", P, M, 2), num_chunks=2, placement=Placement("zb_v", P, 2))
+    credit = 2 * schedule_model.weight_credit("zb_v", P, M)
+    path = [6.0] + [6.0 - 2 * credit] * (P - 1)
+    assert step_time_s(M, [6.0] * P, [], [0.0], path) == pytest.approx(run.makespan)
+    # Chunks in flight, as whole ranks' activations (rounded up): P on every rank once the V is full.
+    assert list(schedule_model.in_flight("zb_v", P, M)) == [-(-n // 2) for n in run.max_in_flight]
+    if M >= 2 * P - 1:
+        assert schedule_model.weight_credit("zb_v", P, M) == (1.25 if P > 1 else 0.0)
+        assert list(schedule_model.in_flight("zb_v", P, M)) == [P] * P
+    assert schedule_model.weight_credit("zb_v", P, M) <= schedule_model.MAX_WEIGHT_CREDIT["zb_v"]
+
+
+def test_zb_v_is_estimated_beside_the_planned_schedules_never_chosen():
+    fixed = dict(tp=1, dp=2, stages=[4], recompute="none")
+    auto = solve(MODEL, _homogeneous(), TRAIN, PlannerConfig(schedule="auto", **fixed), [8] * 4)
+    options = {o.schedule: o for o in auto.schedule_options}
+    assert list(options) == ["1f1b", "zb_h1", "gpipe", "zb_v"]
+    assert auto.candidate.num_microbatches == 8  # >= 2P - 1: a full V
+    # A full V's fill is one chunk forward per later rank, less than ZB-H1's
+    # F + B - W (its doubled boundary messages, under the compute on NVLink, add to the fill only);
+    # every rank keeps P = 4 microbatches' activations, ZB-H1's min(P, M) too.
+    assert options["zb_v"].step_s < options["zb_h1"].step_s < options["1f1b"].step_s
+    assert options["zb_v"].bubble_s < options["zb_h1"].bubble_s
+    assert options["zb_v"].memory_gib == pytest.approx(options["zb_h1"].memory_gib)
+    # The fastest, yet only listed: the plan runs the fastest planned schedule.
+    assert auto.schedule == "zb_h1"
+    plan = auto.to_plan()
+    assert "zb_v" not in plan.notes["predicted_step_s_by_schedule"]
+    assert plan.notes["estimated_step_s_by_schedule"]["zb_v"] == pytest.approx(options["zb_v"].step_s, rel=1e-3)
+    with pytest.raises(ConfigError, match="estimates zb_v's step beside the others .* partition.num_chunks=2"):
+        PlannerConfig(schedule="zb_v")
+    assert schedule_model.estimated_for("auto", "full") == () and schedule_model.estimated_for("1f1b", "auto") == ()
+    assert schedule_model.recompute_modes("zb_v", ("none", "selective", "full")) == ("none", "selective")

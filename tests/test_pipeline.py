@@ -45,11 +45,19 @@ def test_pp2_across_vendors_is_bitwise_single_process(tmp_path, corpus_prefix, r
     assert max(g for _, g in reference) > 0.5
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "zb_v"])
 def test_schedules_give_identical_losses(tmp_path, corpus_prefix, reference, schedule):
-    extra = ["partition.num_chunks=2", "partition.layers=[1,1,1,1]"] if schedule == "interleaved_1f1b" else []
+    extra = ["partition.num_chunks=2", "partition.layers=[1,1,1,1]"] if schedule != "gpipe" else []
     got = _train(tmp_path, schedule, corpus_prefix, "cluster=cpu_mixed",
                  f"partition.schedule={schedule}", *extra)
+    assert got == reference
+
+
+def test_zb_v_on_one_rank_hands_both_turns_over_in_process(tmp_path, corpus_prefix, reference):
+    # One process, two chunks: the forward's hand-off from chunk 0 to chunk 1
+    # and the input gradient's way back never leave the engine.
+    got = _train(tmp_path, "v1", corpus_prefix, "partition.schedule=zb_v", "partition.num_chunks=2",
+                 "partition.layers=[2,2]")
     assert got == reference
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from hetpipe.errors import ConfigError
+from hetpipe.placement import Placement, virtual_stage
 from hetpipe.schedule_check import ScheduleError, simulate
 from hetpipe.schedules import (
     Action,
@@ -17,6 +18,7 @@ from hetpipe.schedules import (
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
+    zb_v,
     zero_bubble_h1,
 )
 
@@ -286,3 +288,119 @@ def test_weights_out_of_microbatch_order_are_caught():
                     Action("bwd_weight", 1), Action("bwd_weight", 0)]
     with pytest.raises(ScheduleError, match="increasing microbatch order"):
         simulate(schedules)
+
+
+def zb_v_placement(P: int) -> Placement:
+    return Placement("zb_v", P, 2)
+
+
+@pytest.mark.parametrize("P", STAGES)
+@pytest.mark.parametrize("M", (1, 2, 3, 5, 8, 13))
+def test_zb_v_has_the_least_bubble_and_1f1b_peak_memory(P, M):
+    schedules = zb_v(P, M)
+    placement = zb_v_placement(P)
+    result = simulate(schedules, num_chunks=2, placement=placement)
+    stages = Counter((a.kind, a.microbatch, placement.stage(rank, a.chunk))
+                     for rank, actions in enumerate(schedules) for a in actions if a.kind in ("fwd", "bwd_input"))
+    assert set(stages) == {(kind, mb, v) for kind in ("fwd", "bwd_input") for mb in range(M) for v in range(2 * P)}
+    assert set(stages.values()) == {1}
+    for rank, actions in enumerate(schedules):
+        assert not any(a.kind == "bwd" for a in actions)
+        for chunk in (0, 1):  # every unit split once; Ws in microbatch order on each chunk
+            assert [a.microbatch for a in actions if a.kind == "bwd_weight" and a.chunk == chunk] == list(range(M))
+        # Each receive comes before the computation that consumes it.
+        for i, recv in enumerate(actions):
+            if recv.kind.startswith("recv_"):
+                consumers = ("fwd",) if recv.kind == "recv_fwd" else ("bwd_input",)
+                assert any(a.kind in consumers and (a.microbatch, a.chunk) == (recv.microbatch, recv.chunk)
+                           for a in actions[i + 1:])
+    # The V's turn is local: rank P-1 never messages itself, and one rank messages no one.
+    assert not any(a.peer == rank for rank, actions in enumerate(schedules) for a in actions)
+    if P == 1:
+        assert all(a.peer is None for a in schedules[0])
+    # Memory: at most 2 min(P, M) chunk units between F and W, i.e. min(P, M)
+    # whole stages - 1F1B's peak, which 1F1B reaches on its first rank only
+    # and ZB-V, once it is full (M >= 2P - 1), on every rank.
+    one_f = simulate(one_f_one_b(P, M))
+    assert max(result.max_in_flight) == 2 * max(one_f.max_live_activations) == 2 * min(P, M)
+    zb_h1 = simulate(zero_bubble_h1(P, M))
+    if M >= 2 * P - 1:
+        assert result.max_in_flight == result.max_live_activations == [2 * P] * P
+        # The cool-down runs rank s's last s chunk-1 Bs back to back with
+        # chunk 0's: up to 2s + 1 units wait for their W, inside that peak.
+        assert result.max_held_for_weights == [2 * s + 1 for s in range(P)]
+        # Unit costs per chunk (a rank's work 6M): the bubble is P - 1 chunk
+        # forwards, which rank P-1 waits for microbatch 0 anyway, so no
+        # schedule has less. In whole-stage units (halve it) against ZB-H1 and 1F1B:
+        assert result.makespan == 6 * M + P - 1
+        assert (result.makespan - 6 * M) / 2 == (P - 1) / 2
+        assert zb_h1.makespan - 3 * M == P - 1 and one_f.makespan - 3 * M == 3 * (P - 1)
+        # The FIFO order moves one receive on each rank but rank 0 (see below).
+        moved = [sum(1 for recv, nxt in zip(actions, actions[1:]) if recv.kind.startswith("recv_")
+                     and (nxt.microbatch, nxt.chunk) != (recv.microbatch, recv.chunk)) for actions in schedules]
+        assert moved == [0] + [1] * (P - 1)
+    else:  # a partly filled V: more bubble, never more than ZB-H1's
+        assert result.makespan / 2 - 3 * M <= zb_h1.makespan - 3 * M
+
+
+def test_zb_v_order_for_two_ranks():
+    rank0, rank1 = zb_v(2, 4)
+    assert " ".join(map(str, rank0)) == (
+        "F0 sendF0->1 F1 sendF1->1 F2 sendF2->1 "
+        "recvF0c1<-1 F0c1 Bi0c1 sendB0c1->1 W0c1 recvF1c1<-1 F1c1 Bi1c1 sendB1c1->1 W1c1 "
+        "F3 sendF3->1 recvB0<-1 Bi0 W0 recvF2c1<-1 F2c1 Bi2c1 sendB2c1->1 W2c1 "
+        "recvB1<-1 Bi1 W1 recvF3c1<-1 F3c1 Bi3c1 sendB3c1->1 W3c1 "
+        "recvB2<-1 Bi2 W2 recvB3<-1 Bi3 W3")
+    # Rank 1 turns the V: chunk 0's output feeds its chunk 1 with no message.
+    # Its receive of F2 moved before B0c1's: rank 0 sent F2 first.
+    assert " ".join(map(str, rank1)) == (
+        "recvF0<-0 F0 F0c1 sendF0c1->0 recvF1<-0 F1 F1c1 sendF1c1->0 "
+        "recvF2<-0 recvB0c1<-0 Bi0c1 W0c1 F2 Bi0 sendB0->0 W0 F2c1 sendF2c1->0 "
+        "recvB1c1<-0 Bi1c1 W1c1 recvF3<-0 F3 Bi1 sendB1->0 W1 F3c1 sendF3c1->0 "
+        "recvB2c1<-0 Bi2c1 W2c1 Bi2 sendB2->0 recvB3c1<-0 Bi3c1 Bi3 sendB3->0 W2 W3c1 W3")
+
+
+def test_zb_v_needs_receives_in_send_order():
+    # Put the moved receive back before its own forward: rank 0 sent F2 before
+    # B0c1, so rank 1 would find F2 where it expects B0c1.
+    rank0, rank1 = zb_v(2, 4)
+    recv = rank1.index(Action("recv_fwd", 2, 0, 0))
+    moved = rank1.pop(recv)
+    rank1.insert(rank1.index(Action("fwd", 2, 0)), moved)
+    with pytest.raises(ScheduleError, match="receive for B0 from virtual stage 3 .* is F2 from virtual stage 0"):
+        simulate([rank0, rank1], num_chunks=2, placement=zb_v_placement(2))
+    # The V's lists are wrong under the interleaved placement: the simulator uses the one it is given.
+    with pytest.raises(ScheduleError, match="rank 2: F0c1 runs without having received F0 from virtual stage 4"):
+        simulate(zb_v(3, 6), num_chunks=2)
+
+
+def test_zb_v_dispatches_and_needs_two_chunks():
+    assert build_schedule("zb_v", 3, 7, 2) == zb_v(3, 7)
+    for chunks in (1, 3):
+        with pytest.raises(ConfigError, match=f"exactly two chunks per rank \\(a V\\), got num_chunks={chunks}"):
+            build_schedule("zb_v", 3, 6, chunks)
+        with pytest.raises(ConfigError, match="exactly two chunks"):
+            forward_only(3, 6, chunks, "zb_v")
+
+
+@pytest.mark.parametrize("P", range(1, 5))
+@pytest.mark.parametrize("M", (1, 2, 3, 5, 8))
+def test_forward_only_in_a_v_keeps_zb_v_forward_order(P, M):
+    schedules = forward_only(P, M, 2, "zb_v")
+    result = simulate(schedules, num_chunks=2, forward_only=True, placement=zb_v_placement(P))
+    receives_precede_their_consumer(schedules)
+    assert result.max_live_activations == [1] * P
+    for fwd_only, train in zip(schedules, zb_v(P, M)):
+        assert [a for a in fwd_only if a.kind == "fwd"] == [a for a in train if a.kind == "fwd"]
+
+
+def test_placements_say_which_ranks_exchange_messages():
+    assert [virtual_stage("zb_v", r, c, 3) for c in (0, 1) for r in range(3)] == [0, 1, 2, 5, 4, 3]
+    assert [virtual_stage("interleaved_1f1b", r, c, 3) for c in (0, 1) for r in range(3)] == [0, 1, 2, 3, 4, 5]
+    v = zb_v_placement(3)
+    assert v.location(5) == (0, 1) and v.rank_of(3) == 2
+    # The V's turn on rank 2 is local: no pair (2, 0) as interleaving's wrap-around has.
+    assert v.rank_pairs() == [(0, 1), (1, 0), (1, 2), (2, 1)]
+    assert Placement("interleaved_1f1b", 3, 2).rank_pairs() == [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
+    assert Placement("1f1b", 3).neighbours(0) == [1] and v.neighbours(1) == [0, 2]
+    assert zb_v_placement(1).rank_pairs() == []

@@ -56,7 +56,10 @@ def test_single_process_validates_at_the_interval_and_at_the_end(reference):
     # Two of the four ranks hold no loss: only each replica's last stage reports.
     ["cluster=cpu_mixed", "cluster.groups.0.ranks_per_node=2", "cluster.groups.1.ranks_per_node=2",
      "partition.dp=2", "partition.layers=[1,3]", "optimizer.distributed=true"],
-], ids=["pp2_across_vendors", "dp2", "pp2_dp2_zero1"])
+    # ZB-V's forward-only order in a V: rank 0 both embeds and reports the loss.
+    ["cluster=cpu_mixed", "cluster.transport.kind=tcp", "partition.schedule=zb_v", "partition.num_chunks=2",
+     "partition.layers=[1,1,1,1]"],
+], ids=["pp2_across_vendors", "dp2", "pp2_dp2_zero1", "zb_v_across_vendors"])
 def test_validation_is_bitwise_the_single_process_one(tmp_path, corpus_prefix, reference, layout):
     assert _run(tmp_path / "run", corpus_prefix, *layout) == reference
 

@@ -90,15 +90,60 @@ def _train(run_dir, data, *overrides):
     return [(r["loss"], r["grad_norm"]) for r in rows]
 
 
-@pytest.mark.parametrize("name, overrides", [
+ZB_V = ["partition.schedule=zb_v", "partition.num_chunks=2"]
+MIXED_2X2 = ["cluster=cpu_mixed", "cluster.groups.0.ranks_per_node=2", "cluster.groups.1.ranks_per_node=2"]
+
+
+CASES = [  # (name, both runs' overrides, 1F1B's split, the zero-bubble run's schedule and split)
     # TP2 on one vendor group, TP1 on the other, over the tcp channel.
     ("pp2_tp2_tcp", ["cluster=cpu_mixed", "cluster.transport.kind=tcp", "cluster.groups.0.ranks_per_node=2",
-                     "partition.tp_per_group=[2,1]", "partition.layers=[1,3]"]),
+                     "partition.tp_per_group=[2,1]"], ["partition.layers=[1,3]"],
+     ["partition.schedule=zb_h1", "partition.layers=[1,3]"]),
     # Small buckets: the DP all-reduces launch from W's gradient hooks.
-    ("pp2_dp2", ["cluster=cpu_mixed", "cluster.groups.0.ranks_per_node=2", "cluster.groups.1.ranks_per_node=2",
-                 "partition.dp=2", "partition.layers=[1,3]", "partition.grad_bucket_mb=0.01"]),
-])
-def test_zb_h1_is_bitwise_1f1b_across_vendor_groups(tmp_path, corpus_prefix, name, overrides):
-    plain = _train(tmp_path / "1f1b", corpus_prefix, *overrides)
-    zero_bubble = _train(tmp_path / "zb", corpus_prefix, *overrides, "partition.schedule=zb_h1")
-    assert zero_bubble == plain
+    ("pp2_dp2", [*MIXED_2X2, "partition.dp=2", "partition.grad_bucket_mb=0.01"], ["partition.layers=[1,3]"],
+     ["partition.schedule=zb_h1", "partition.layers=[1,3]"]),
+    # ZB-V against 1F1B with its own split: rank 1's chunks (virtual stages 1
+    # and 2) hand over in-process, rank 0 holds the embedding and the loss. A
+    # layer's TP degree changes its sums, so TP is the same on both groups.
+    ("v_pp2_tcp", ["cluster=cpu_mixed", "cluster.transport.kind=tcp"], ["partition.layers=[1,3]"],
+     [*ZB_V, "partition.layers=[1,1,1,1]"]),
+    ("v_pp2_tp2", [*MIXED_2X2, "cluster.transport.kind=tcp", "partition.tp=2"], ["partition.layers=[1,3]"],
+     [*ZB_V, "partition.layers=[1,1,1,1]"]),
+    ("v_pp2_dp2", [*MIXED_2X2, "partition.dp=2", "partition.grad_bucket_mb=0.01"], ["partition.layers=[1,3]"],
+     [*ZB_V, "partition.layers=[1,1,1,1]"]),
+    # Four ranks, eight virtual stages, the vendor line crossed both ways; a
+    # tied head on rank 0 beside its embedding: their gradients add locally.
+    ("v_pp4_tied", [*MIXED_2X2, "model.num_layers=6", "model.share_embeddings_and_output_weights=true"],
+     ["partition.layers=[1,2,2,1]"], [*ZB_V, "partition.layers=[0,1,1,1,1,1,1,0]"]),
+]
+
+
+@pytest.mark.parametrize("name, overrides, plain_split, zero_bubble", CASES, ids=[case[0] for case in CASES])
+def test_zb_h1_is_bitwise_1f1b_across_vendor_groups(tmp_path, corpus_prefix, name, overrides, plain_split,
+                                                    zero_bubble):
+    plain = _train(tmp_path / "1f1b", corpus_prefix, *overrides, *plain_split)
+    assert _train(tmp_path / "zb", corpus_prefix, *overrides, *zero_bubble) == plain
+
+
+def test_zb_v_needs_two_chunks_and_refuses_full_recompute():
+    stages = [StagePlan(group="g", ranks=[0], layers=1) for _ in range(2)]
+    with pytest.raises(ConfigError, match="zb_v places exactly two chunks per rank \\(a V\\), got num_chunks=1"):
+        Plan(stages=stages, schedule="zb_v")
+    with pytest.raises(ConfigError, match="recompute=full cannot run under schedule zb_v"):
+        Plan(stages=[StagePlan(group="g", ranks=[0], layers=1, recompute="full")] * 2, schedule="zb_v", num_chunks=2)
+    # The V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2.
+    plan = Plan(stages=[StagePlan(group="g", ranks=[0], layers=1) for _ in range(4)], schedule="zb_v", num_chunks=2)
+    assert [plan.placement.stage(r, c) for r in range(2) for c in range(2)] == [0, 3, 1, 2]
+
+
+def test_zb_v_checkpoint_resumes_bitwise(tmp_path, corpus_prefix):
+    # The manifest records each rank's chunks' units (stages r and 2P-1-r in a
+    # V) and a resume checks them against the plan's placement.
+    v = ["cluster=cpu_mixed", *ZB_V, "partition.layers=[1,1,1,1]", "model.share_embeddings_and_output_weights=true"]
+    whole = [(r["loss"], r["grad_norm"]) for r in
+             run_pretrain(tmp_path / "whole", [*COMMON, f"data.path={corpus_prefix}", *v, "train.train_iters=4"],
+                          timeout=240)[1]]
+    first = [*COMMON, f"data.path={corpus_prefix}", *v, "checkpoint.save_interval=2"]
+    run_pretrain(tmp_path / "cut", first, timeout=240)
+    _, rows = run_pretrain(tmp_path / "cut", [*first, "train.train_iters=4", "checkpoint.resume=latest"], timeout=240)
+    assert [(r["loss"], r["grad_norm"]) for r in rows if r["step"] > STEPS] == whole[STEPS:]
