@@ -17,8 +17,15 @@ from hetpipe.checkpoint import CheckpointConfig, latest_checkpoint, resolve_save
 from hetpipe.launch import restart_attempt
 
 
-def resume_setting(cfg: CheckpointConfig, run_dir: str | Path) -> CheckpointConfig:
-    """``cfg``, or on a restart with a committed checkpoint, ``cfg`` with ``resume=latest``."""
-    if restart_attempt() == 0 or latest_checkpoint(resolve_save_dir(cfg, run_dir)) is None:
+def resume_setting(cfg: CheckpointConfig, run_dir: str | Path, node: int = 0) -> CheckpointConfig:
+    """``cfg``, or on a restart ``cfg`` with ``resume=latest``: always when the
+    run had no ``resume`` of its own (every node then takes the same path, and
+    the load agrees on the newest step every node's directory holds, or starts
+    afresh when none has one); else only once a checkpoint of this run is in
+    node ``node``'s save directory, so a run that died before its first save
+    restarts from the checkpoint it was started from."""
+    if restart_attempt() == 0:
+        return cfg
+    if cfg.resume is not None and latest_checkpoint(resolve_save_dir(cfg, run_dir, node)) is None:
         return cfg
     return dataclasses.replace(cfg, resume="latest")

@@ -23,8 +23,7 @@ import torch.distributed as dist
 import yaml
 from omegaconf import OmegaConf
 
-from hetpipe.checkpoint import resolve_save_dir, restore, save_checkpoint, should_save
-from hetpipe.checkpoint.layout import iter_dir_name
+from hetpipe.checkpoint import CheckpointSaver, restore, should_save
 from hetpipe.comm.factory import check_transport_available
 from hetpipe.comm.vendor import accelerator_name, detect_vendor
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
@@ -45,7 +44,7 @@ from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_atten
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import allow_retained_graphs
-from hetpipe.parallel.checkpoint import gather_for_save, shard_fn
+from hetpipe.parallel.checkpoint import shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.parallel.zero1 import DistributedOptimizer
@@ -227,12 +226,12 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     is_last_stage = any(chunk.is_last for chunk in chunks)
     counts_loss = is_last_stage and topo.tp_rank == 0
     global_microbatches = loader.num_microbatches * topo.dp_size
-    writer = topo.dp_rank == 0 and topo.tp_rank == 0
     validator = build_validator(cfg, plan, topo, engine, counts_loss, weights)
 
     attempt = restart_attempt()
-    start = restore(resume_setting(cfg.checkpoint, run_dir), run_dir, chunks, optimizer, loader, topo.rank, topo.world_size, cfg.model,
-                    shard=shard_fn(chunks))
+    saver = CheckpointSaver.for_topology(cfg.checkpoint, run_dir, topo, cfg.model, plan)
+    start = restore(resume_setting(cfg.checkpoint, run_dir, saver.node), run_dir, chunks, optimizer, loader,
+                    topo.rank, topo.world_size, cfg.model, shard=shard_fn(chunks), node=saver.node)
     logger = None
     if topo.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -320,14 +319,10 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             if should_save(cfg.checkpoint, step + 1, t.train_iters) or stopping:
                 if logger is not None:
                     logger.flush()  # metrics up to the checkpoint are on disk with it
-                model_state = optim_state = None
-                if topo.tp_size > 1 or topo.dp_size > 1:
-                    model_state, optim_state = gather_for_save(chunks, optimizer, writer)
-                save_checkpoint(cfg.checkpoint, run_dir, step + 1, chunks, optimizer, loader.state_dict(),
-                                topo.rank, topo.world_size, cfg.model, plan,
-                                model_state=model_state, optim_state=optim_state)
+                # Each rank writes its own shards in the background; the step waits for a host copy.
+                saver.save(step + 1, chunks, optimizer, loader.state_dict())
             if stopping:
-                checkpoint = resolve_save_dir(cfg.checkpoint, run_dir) / iter_dir_name(step + 1)
+                checkpoint = saver.wait()  # a preempted job exits only once its checkpoint is committed
                 _stop_for_preemption(preemption, step + 1, topo.rank, checkpoint, logger)
                 break
     finally:
@@ -336,6 +331,9 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
             logger.close()
         if device.type == "cuda":
             _write_peak_memory(run_dir, topo.rank, device)
+        # The last checkpoint is committed before the job ends (a failed background write
+        # is raised here); after a failure elsewhere an unfinished save is abandoned.
+        saver.close()
     return [float(x) for x in losses]
 
 
@@ -345,7 +343,7 @@ def _stage_of_ranks(topo: Topology) -> list[int]:
     return [stage[r] for r in range(topo.world_size)]
 
 
-def _stop_for_preemption(preemption: PreemptionWatch, step: int, rank: int, checkpoint: Path,
+def _stop_for_preemption(preemption: PreemptionWatch, step: int, rank: int, checkpoint: Optional[Path],
                          logger: Optional[MetricsLogger]) -> None:
     """The checkpoint of ``step`` is committed: say so, and let the launcher know."""
     signal_name = preemption.received or "a signal on another rank"

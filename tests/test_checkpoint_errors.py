@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-import hetpipe.checkpoint.save as save_module
+import hetpipe.checkpoint.commit as commit_module
 from hetpipe.checkpoint import (CheckpointConfig, CheckpointError, latest_checkpoint, load_checkpoint,
                                 restore, save_checkpoint)
 from hetpipe.pretrain_config import OptimizerConfig
@@ -108,8 +108,8 @@ def test_interrupted_save_is_never_latest_and_is_refused_by_name(tmp_path, capsy
     def crash(*args):
         raise OSError("killed")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(save_module, "commit", crash)
-        with pytest.raises(OSError):
+        mp.setattr(commit_module, "commit", crash)
+        with pytest.raises(CheckpointError, match="the checkpoint of step 3 was not committed: .*killed"):
             _save(tmp_path, step=3)
     assert (tmp_path / "iter_0000003.tmp" / "manifest.json").is_file()
     assert latest_checkpoint(tmp_path) == good

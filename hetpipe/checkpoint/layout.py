@@ -5,19 +5,22 @@
     <save_dir>/
       latest                       "iter_0000100": the most recently committed
       iter_0000100/                a complete checkpoint (has manifest.json)
-        manifest.json              written last: files, sha256, tensor index
+        manifest.json              written last: files, sha256, tensor pieces, self-checksum
         trainer_state.json         step, sampler position, extra trainer state
-        model-rank00000.safetensors   unit-keyed weights this rank owned
-        optim-rank00000.safetensors   optimizer state keyed exp_avg/<name>, ...
+        model-rank00000.safetensors   the pieces of weights this rank wrote (its TP slices;
+                                      none for a DP replica whose twin writes them)
+        optim-rank00000.safetensors   optimizer state keyed exp_avg/<name>, ... (ZeRO-1: its ranges)
         rng-rank00000.safetensors     this rank's RNG states
       iter_0000200.tmp/            a save in progress (or one that crashed)
 
-A save writes into ``iter_NNNNNNN.tmp`` and renames it once the manifest is
-in; the rename is the commit point, so a crash never damages a committed
-checkpoint. The temporary name is derived from the step rather than drawn at
-random so that every rank agrees on it without a broadcast; a leftover from a
-crashed save at the same step is simply overwritten (files no manifest lists
-are removed before the commit).
+With node-local directories each node's ``save_dir`` holds its own ranks'
+files, the same manifest and its own ``trainer_state.json`` and ``latest``
+(docs/checkpoints.md). A save writes into ``iter_NNNNNNN.tmp`` and renames it
+once the manifest is in; the rename is the commit point, so a crash never
+damages a committed checkpoint. The temporary name is derived from the step
+rather than drawn at random so that every rank agrees on it without a
+message; a leftover from a crashed save at the same step is simply
+overwritten (files no manifest lists are removed before the commit).
 """
 from __future__ import annotations
 
@@ -153,14 +156,24 @@ def commit(tmp: Path, save_dir: Path, step: int) -> Path:
     return final
 
 
-def prune(save_dir: Path, keep_last: int, current_step: int) -> list[Path]:
-    """Delete leftovers of crashed saves, and committed checkpoints older than the
-    newest ``keep_last`` up to ``current_step`` (0 keeps all). Checkpoints with a
-    higher step, from a timeline this run abandoned, are left for the user."""
+def prune_incomplete(save_dir: Path, current_step: int) -> list[Path]:
+    """Delete leftovers of crashed saves (all but ``current_step``'s). Run by a
+    committer before it reports its commit: until then no rank can have
+    started its next save, whose temporary directory this must not take."""
     removed = [p for p in incomplete_checkpoints(save_dir) if p.name != tmp_dir_name(current_step)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def prune_complete(save_dir: Path, keep_last: int, current_step: int) -> list[Path]:
+    """Delete committed checkpoints older than the newest ``keep_last`` up to
+    ``current_step`` (0 keeps all), once every directory has committed it.
+    Checkpoints with a higher step, from a timeline this run abandoned, are
+    left for the user."""
+    removed = []
     if keep_last > 0:
-        older = [p for step, p in complete_checkpoints(save_dir) if step <= current_step]
-        removed += older[:-keep_last]
+        removed = [p for step, p in complete_checkpoints(save_dir) if step <= current_step][:-keep_last]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed

@@ -32,12 +32,6 @@ def load_targets(chunks: Sequence[CausalLM]) -> list[tuple[str, torch.Tensor]]:
             for chunk in chunks for name, tensor in chunk.state_dict(keep_vars=True).items()]
 
 
-def owned_state(chunks: Sequence[CausalLM]) -> dict[str, torch.Tensor]:
-    """The tensors this rank saves, by canonical name: everything but tied copies."""
-    return {name: tensor.detach() for chunk in chunks for name, tensor in chunk.state_dict(keep_vars=True).items()
-            if canonical_name(chunk.cfg, name) == name}
-
-
 def parameter_names(chunks: Sequence[CausalLM]) -> dict[int, tuple[str, bool]]:
     """id(parameter) -> (canonical name, whether it is a tied copy)."""
     return {id(p): (canonical_name(chunk.cfg, name), canonical_name(chunk.cfg, name) != name)

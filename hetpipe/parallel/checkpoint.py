@@ -1,18 +1,17 @@
-"""Checkpoints under tensor and data parallelism: whole tensors, one writer per stage.
+"""Checkpoints under tensor and data parallelism: slices in, slices out.
 
 Checkpoints stay plan-neutral (:mod:`hetpipe.checkpoint`): every tensor is
-saved whole, under its model-unit name. Under TP each rank holds a slice of a
-weight and of its AdamW moments; under ZeRO-1 each DP rank holds a slice of
-the moments. Before a save the stage's ranks gather the whole tensors (over
-TP, then over DP for a distributed optimizer) onto the rank with DP and TP
-index 0, which writes them; the other ranks write only their RNG state. On
-load every rank reads whole tensors and keeps its own slice
-(:func:`shard_fn`), so a checkpoint written at any TP/DP degree resumes at
-any other.
+known by its model-unit name and whole shape, and each rank saves the slice
+it holds - its TP rows or columns (by the parameter's ``tp_shard`` mark),
+its ZeRO-1 ranges of the AdamW moments - as pieces the manifest places in
+the whole tensor; nothing is gathered to a writer. On load every rank asks
+for the region it holds now (:func:`shard_fn`'s ``region``), read from
+whichever pieces cover it, so a checkpoint written at any TP/DP degree
+resumes at any other.
 
-The TP half of that - cutting a whole tensor to a rank's slice and gathering
-the slices back - is :func:`shard_tensor` and :func:`full_tensor`. Both go by
-the parameter's ``tp_shard`` mark (:mod:`hetpipe.parallel.tp_shards`), so they
+:func:`shard_tensor` and :func:`full_tensor` cut a whole tensor to a rank's
+slice and gather the slices back (tests and tools use them). Both go by the
+parameter's ``tp_shard`` mark (:mod:`hetpipe.parallel.tp_shards`), so they
 work for anything shaped like the parameter: its value, its gradient, an
 optimizer's moments.
 """
@@ -23,7 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from hetpipe.checkpoint.names import TIED_HEAD_COPY, canonical_name
+from hetpipe.checkpoint.names import EMBEDDING, TIED_HEAD_COPY
+from hetpipe.checkpoint.regions import Region, tp_region
 from hetpipe.models import CausalLM
 from hetpipe.parallel.tp_collectives import all_gather
 from hetpipe.parallel.tp_shards import tp_shard
@@ -82,52 +82,29 @@ def _parameters(chunks: Sequence[CausalLM]) -> dict[str, nn.Parameter]:
     return {name: param for chunk in chunks for name, param in chunk.named_parameters()}
 
 
-def gather_for_save(chunks: Sequence[CausalLM], optimizer: torch.optim.Optimizer, writer: bool
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(model tensors, optimizer tensors) by canonical name, whole, on the
-    writer; empty dicts elsewhere. A collective over the stage's TP and DP
-    ranks: every one of them must call it, in the same step."""
-    tp = max(getattr(chunk, "tp_size", 1) for chunk in chunks)
-    model: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        state = gather_full_state_dict(chunk) if tp > 1 else chunk.state_dict()
-        for name, tensor in state.items():
-            if canonical_name(chunk.cfg, name) == name:
-                model[name] = tensor.detach()
-    # Per-parameter AdamW state by the chunks' own names.
-    names = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
-    if hasattr(optimizer, "full_state_dict"):
-        per_param = optimizer.full_state_dict()  # collective over DP
-    else:
-        per_param = {names[id(p)]: dict(optimizer.state[p])
-                     for group in optimizer.param_groups for p in group["params"] if p in optimizer.state}
-    params = _parameters(chunks)
-    cfg = chunks[0].cfg
-    optim: dict[str, torch.Tensor] = {}
-    for name in sorted(per_param):  # the same order on every TP rank
-        for key, value in sorted(per_param[name].items()):
-            value = torch.as_tensor(value)
-            if key != "step" and tp > 1:
-                value = full_tensor(params[name], value)  # collective over TP
-            canonical = canonical_name(cfg, name)
-            if canonical == name:
-                optim[f"{key}/{canonical}"] = value
-    if not writer:
-        return {}, {}
-    return model, optim
+class _Shard:
+    """``(canonical name, whole tensor) -> this rank's slice``, and ``region(name)``: which
+    slice that is, so a loader can read just it from the checkpoint's pieces."""
+
+    def __init__(self, chunks: Sequence[CausalLM]) -> None:
+        self.params = _parameters(chunks)
+
+    def _param(self, name: str) -> Optional[nn.Parameter]:
+        # A tied head copy is saved as embedding.weight; the copy is sharded
+        # like the embedding (same vocab rows), so either owner can cut it.
+        return self.params.get(name, self.params.get(TIED_HEAD_COPY) if name == EMBEDDING else None)
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        param = self._param(name)
+        return tensor if param is None else shard_tensor(param, tensor)
+
+    def region(self, name: str) -> Region:
+        return tp_region(self._param(name))
 
 
 def shard_fn(chunks: Sequence[CausalLM]) -> Optional[Callable[[str, torch.Tensor], torch.Tensor]]:
-    """``(canonical name, whole tensor) -> this rank's slice`` for loading, or
-    None when no chunk is tensor-parallel."""
+    """``(canonical name, whole tensor) -> this rank's slice`` for loading (with
+    ``.region(name)``), or None when no chunk is tensor-parallel."""
     if max(getattr(chunk, "tp_size", 1) for chunk in chunks) == 1:
         return None
-    params = _parameters(chunks)
-
-    def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        # A tied head copy is saved as embedding.weight; the copy is sharded
-        # like the embedding (same vocab rows), so either owner can cut it.
-        param = params.get(name, params.get(TIED_HEAD_COPY))
-        return tensor if param is None else shard_tensor(param, tensor)
-
-    return shard
+    return _Shard(chunks)

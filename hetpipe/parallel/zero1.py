@@ -286,6 +286,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _step_tensor(self) -> torch.Tensor:
         return torch.tensor(float(self._step), dtype=torch.float32)
 
+    def owned_ranges(self) -> dict[str, tuple[int, int]]:
+        """``{name: (start, stop)}``: the elements of each flattened parameter
+        whose state this rank keeps (what :meth:`load_sharded_state_dict` must cover)."""
+        return {self._names[i]: (a, b) for sh in self._shards for i, a, b, _ in sh.pieces}
+
+    def state_step(self) -> Optional[int]:
+        """The optimizer steps the state has taken, or None before it has any state."""
+        return self._step if self._has_state() else None
+
     def sharded_state_dict(self) -> dict[str, dict[str, Any]]:
         """This rank's part of the state, by parameter name (not a collective).
 
