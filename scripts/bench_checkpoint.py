@@ -13,6 +13,8 @@ since on a small CPU the writer competes with training for the cores.
 The table comes last.
 
     python scripts/bench_checkpoint.py [--saves 3] [--steps-between 3] [--dir /tmp/x]
+    python scripts/bench_checkpoint.py --device cuda --hidden 4096 --ffn 14336 --layers 2 \
+        --vocab 128256 --heads 32 --kv-heads 8 --seq 4096 --batch 1   # LLaMA-3-8B-shaped, one GPU
 """
 from __future__ import annotations
 
@@ -31,19 +33,28 @@ from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.trainer import build_optimizer
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _step(model, opt, tokens) -> float:
+    _sync(tokens.device)
     started = time.perf_counter()
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    _sync(tokens.device)
     return time.perf_counter() - started
 
 
 def _run(cfg, args, root: Path, background: bool) -> dict:
     torch.manual_seed(0)
-    model = build_model(cfg, seed=1234)
-    opt = build_optimizer([model], OptimizerConfig(lr=1e-4), torch.device("cpu"))
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    device = torch.device(args.device)
+    model = build_model(cfg, seed=1234, device=device)
+    opt = build_optimizer([model], OptimizerConfig(lr=1e-4), device)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1),
+                           generator=torch.Generator().manual_seed(0)).to(device)
     _step(model, opt, tokens)  # AdamW's state exists from here on
     saver = CheckpointSaver(CheckpointConfig(save_dir=str(root / ("async" if background else "sync")), keep_last=1,
                                              async_save=background), root, model_cfg=cfg)
@@ -54,8 +65,10 @@ def _run(cfg, args, root: Path, background: bool) -> dict:
             writing = saver.in_flight
             (beside if writing else quiet).append(_step(model, opt, tokens))
             step += 1
+        _sync(device)
         started = time.perf_counter()
         saver.save(step, [model], opt, {"consumed_samples": step})
+        _sync(device)
         stalls.append(time.perf_counter() - started)
         if not background:
             writes.append(saver.last_timing["write_s"])
@@ -77,9 +90,12 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--steps-between", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU's state (snapshot to pinned host memory)")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
     args = parser.parse_args()
     cfg = model_preset("tiny_llama", hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_layers=args.layers,
-                       vocab_size=args.vocab, num_attention_heads=8, num_query_groups=4,
+                       vocab_size=args.vocab, num_attention_heads=args.heads, num_query_groups=args.kv_heads,
                        max_position_embeddings=max(args.seq, 128))
     root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir))
     try:
