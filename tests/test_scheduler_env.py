@@ -283,7 +283,9 @@ def test_launcher_script_parses_and_uses_c10d_rendezvous():
     assert subprocess.run(["bash", "-n", str(LAUNCHER)]).returncode == 0
     text = LAUNCHER.read_text()
     assert "--rdzv-backend c10d --rdzv-endpoint" in text and "--rdzv-id" in text
-    assert "--master-addr" not in text and "--max-restarts" not in text
+    assert "--master-addr" not in text
+    # Restarts are torchrun's, with the count train.max_restarts must equal.
+    assert '--max-restarts "$HETPIPE_MAX_RESTARTS"' in text
 
 
 TWO_NODE_ARGS = ["+model=tiny_llama", "cluster=cpu_mixed", "train.train_iters=2", "train.global_batch_size=8",
