@@ -4,7 +4,7 @@ Analytic costs rest on an assumed efficiency; a profile replaces them with what
 the local device does. For the configured model shapes, microbatch size and
 sequence length it runs the embedding, one decoder layer and the head - the
 very modules ``pretrain`` builds, at TP 1, in the trainer's precision - and
-records per unit the forward and backward time (median over microbatches run
+records per unit the forward and backward time (mean over microbatches run
 back to back after warm-up ones, as a step runs them), the bytes autograd keeps between forward and backward (counted
 through saved-tensor hooks, so it works on CPUs too) and, on GPUs, the peak
 memory above the memory held before the forward (weights and gradient
@@ -108,7 +108,7 @@ def save_entry(path: str | Path, device_type: str, entry: dict) -> None:
 
 
 def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, precision: str = "auto",
-                  repeats: int = 10, warmup: int = 3, seed: int = 1234,
+                  repeats: int = 40, warmup: int = 3, seed: int = 1234,
                   fuse_elementwise: Optional[bool] = None, warmup_s: float = 0.0) -> tuple[str, dict]:
     """Profile embedding, one decoder layer (once per recomputation mode) and
     the head on the local device, with the trainer's precision and elementwise
