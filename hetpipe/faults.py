@@ -25,7 +25,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -82,8 +82,10 @@ def _faults() -> list[Fault]:
     return _parsed[1]
 
 
-def hit(point: str, rank: int, step: Optional[int] = None, tensors: Iterable[torch.Tensor] = ()) -> None:
-    """Carry out the faults set for ``point`` on ``rank`` at ``step``, if any."""
+def hit(point: str, rank: int, step: Optional[int] = None,
+        tensors: Callable[[], Iterable[Optional[torch.Tensor]]] = tuple) -> None:
+    """Carry out the faults set for ``point`` on ``rank`` at ``step``, if any.
+    ``tensors`` gives the point's tensors (for ``nan``); it is called only then."""
     if ENV not in os.environ:
         return
     for fault in _faults():
@@ -96,7 +98,7 @@ def hit(point: str, rank: int, step: Optional[int] = None, tensors: Iterable[tor
             raise RuntimeError(f"injected fault at {point} of step {step} on rank {rank}")
         elif fault.action == "nan":
             with torch.no_grad():
-                for t in tensors:
+                for t in tensors():
                     if t is not None:
                         t.fill_(float("inf"))
         elif fault.action == "sleep":

@@ -281,7 +281,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
                     for chunk in chunks:
                         finalize_tensor_parallel_grads(chunk)
                 sync_tied_embedding_grads(chunks, topo.embedding_group)
-                faults.hit("grads", topo.rank, step + 1, [p.grad for c in chunks for p in c.parameters()])
+                faults.hit("grads", topo.rank, step + 1, lambda: [p.grad for c in chunks for p in c.parameters()])
                 # Every rank's preemption flag and busy time (the step so far, less
                 # its waits on pipeline neighbours) ride on the norm exchange.
                 busy = time.perf_counter() - step_started - engine.wait_s
