@@ -302,7 +302,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
                     logger.record_event(
                         step + 1, "skipped", f"hetpipe: step {step + 1} skipped: {skipped} (no update applied; "
                         f"{guard.consecutive} in a row, train.max_skipped_steps={t.max_skipped_steps})",
-                        reason=skipped, lr=lr, consumed_samples=consumed, consecutive_skips=guard.consecutive)
+                        reason=skipped, lr=lr, consumed_samples=consumed, consecutive_skips=guard.consecutive,
+                        skipped_steps=guard.total)
             else:
                 mean_loss = total_loss / global_microbatches
                 losses.append(mean_loss)

@@ -61,7 +61,7 @@ def test_non_finite_step_is_skipped_bitwise_and_logged(tmp_path, corpus_prefix, 
     assert not torch.equal(after["layers.0.mlp.down.weight"], _state(ckpt / "iter_0000004")["layers.0.mlp.down.weight"])
     skipped = [r for r in rows if r.get("event") == "skipped"]
     assert skipped == [{"step": 3, "event": "skipped", "reason": "grad norm inf", "lr": skipped[0]["lr"],
-                        "consumed_samples": 24, "consecutive_skips": 1}]
+                        "consumed_samples": 24, "consecutive_skips": 1, "skipped_steps": 1}]
     assert sorted(_losses(rows)) == [1, 2, 4]
     assert "hetpipe: step 3 skipped: grad norm inf" in proc.stdout
 
