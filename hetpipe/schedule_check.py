@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from hetpipe.actions import (
     ACTION_KINDS,
@@ -76,7 +77,9 @@ def _describe(msg: Message) -> str:
 
 
 def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: bool = False,
-             placement: Placement | None = None) -> SimulationResult:
+             placement: Placement | None = None,
+             cost: Callable[[int, Action], float] | None = None,
+             link: Callable[[int, int], float] | None = None) -> SimulationResult:
     """Run all ranks' action lists together and check every pipeline rule.
 
     Each round every rank attempts its next action. Sends never block and are
@@ -90,6 +93,10 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
     ``forward_only`` (validation) any backward action is an error and only
     forwards must be complete. ``placement`` says which virtual stage each
     (rank, chunk) holds; by default Megatron's interleaving of ``num_chunks``.
+    ``cost(rank, action)`` is a computation's time in the makespan
+    (:data:`COMPUTE_COST` by default), e.g. per chunk for unequal chunks, and
+    ``link(src, dst)`` a message's time from send to arrival (none by default):
+    with both, the makespan is a prediction of the step (the planner's for zb_v).
     """
     num_ranks = len(schedules)
     if num_ranks == 0:
@@ -178,7 +185,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
                 awaiting_weights.add(unit)
                 held[rank] += 1
                 peak_held[rank] = max(peak_held[rank], held[rank])
-        clock[rank] += COMPUTE_COST[action.kind]
+        clock[rank] += COMPUTE_COST[action.kind] if cost is None else cost(rank, action)
 
     def execute(rank: int, action: Action, outgoing: list[tuple[int, int, Message]]) -> bool:
         """Do ``action``; False when it is a receive that must wait."""
@@ -230,7 +237,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
         # message sent in the same round just because it was iterated later.
         for src, dst, msg in outgoing:
             fifos[src, dst].append(msg)
-            stamps[src, dst].append(clock[src])
+            stamps[src, dst].append(clock[src] + (0 if link is None else link(src, dst)))
         if not progressed:
             stuck = ", ".join(f"rank {r} waits at {schedules[r][cursor[r]]}"
                               for r in range(num_ranks) if cursor[r] < len(schedules[r]))
