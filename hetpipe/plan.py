@@ -32,8 +32,8 @@ from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.catalog import catalog_with, detect_device_type
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import measure_units, save_entry
+from hetpipe.partitioner import schedule_model
 from hetpipe.partitioner.report import Solution
-from hetpipe.partitioner.schedule_model import ESTIMATED_SCHEDULES
 from hetpipe.partitioner.solver import solve
 from hetpipe.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
 
@@ -85,7 +85,7 @@ class PlanConfig:
                               "(auto, none, selective or full), not train.recompute")
         if self.mode == "plan" and (self.partition.schedule != "1f1b" or self.partition.num_chunks != 1):
             raise ConfigError(f"the planner chooses the schedule (without interleaving): set planner.schedule "
-                              f"(auto, 1f1b, zb_h1 or gpipe; auto also estimates zb_v), not "
+                              f"(auto, 1f1b, zb_h1, zb_v or gpipe), not "
                               f"partition.schedule={self.partition.schedule} "
                               f"or partition.num_chunks={self.partition.num_chunks}")
 
@@ -156,11 +156,12 @@ def format_solution(s: Solution) -> str:
               "bubble", "memory/device", "TFLOP/s/GPU")
     rows = []
     for st in s.stages:
-        extras = ("+emb" if st.units[0] == 0 else "") + ("+head" if st.units[1] == s.model.num_units else "")
+        layers = " & ".join(f"{n}" + ("+emb" if a == 0 else "") + ("+head" if b == s.model.num_units else "")
+                            for n, (a, b) in zip(st.chunk_layers, st.chunk_units))
         recompute = st.recompute if st.recompute_num_layers is None else \
             f"{st.recompute} {st.recompute_num_layers}/{st.layers}"
         rows.append((str(st.index), st.group, st.device_type, _ranks(st.ranks), f"{st.tp}x{st.dp}",
-                     f"{st.layers}{extras}", recompute, f"{st.compute_s:.3f}s", f"{st.comm_s:.3f}s", f"{st.p2p_s:.3f}s",
+                     layers, recompute, f"{st.compute_s:.3f}s", f"{st.comm_s:.3f}s", f"{st.p2p_s:.3f}s",
                      f"{st.bubble_s:.3f}s", f"{st.memory_gib:.1f}/{st.usable_gib:.1f} GiB",
                      f"{st.tflops_per_gpu:.1f}"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -179,13 +180,11 @@ def format_solution(s: Solution) -> str:
 
 
 def _schedule_lines(s: Solution) -> list[str]:
-    """The best plan's step under each schedule considered, the chosen one marked,
-    the ones only estimated (schedule_model.ESTIMATED_SCHEDULES) too."""
+    """The best plan's step under each schedule considered, the chosen one marked."""
     header = ("schedule", "predicted step", "bubble", "peak memory/device")
     rows = []
     for o in s.schedule_options:
-        mark = " (chosen)" if o.schedule == s.schedule else \
-            " (estimate)" if o.schedule in ESTIMATED_SCHEDULES else ""
+        mark = " (chosen)" if o.schedule == s.schedule else ""
         if o.step_s is None:
             rows.append((o.schedule, "does not fit", "-", "-"))
         else:
@@ -194,9 +193,9 @@ def _schedule_lines(s: Solution) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines += ["bubble: the busiest stage's idle time; planner.schedule=NAME plans for one schedule"]
-    if any(o.schedule in ESTIMATED_SCHEDULES for o in s.schedule_options):
-        lines.append("estimate: priced on a contiguous split, not planned (partitioner/schedule_model.py); "
-                     "run it with partition.schedule=zb_v partition.num_chunks=2")
+    if schedule_model.is_folded(s.schedule):
+        lines.append(f"{s.schedule}: each rank holds two chunks in a V (virtual stages r and 2P-1-r), "
+                     "listed as chunk 0 & chunk 1")
     return lines
 
 

@@ -70,6 +70,8 @@ class _GroupCosts:
     transient: np.ndarray
     sync: np.ndarray
     capacity: float
+    # Parameters per device, for one sync over two ranges (zb_v's chunks).
+    params: np.ndarray
 
 
 @dataclass
@@ -171,22 +173,25 @@ class CostContext:
         if key in self._groups:
             return self._groups[key]
         uc = self.unit_costs(g, tp, mbs, recompute, alone)
-        spec = self.specs[g]
         time = _range_sums(uc.time_s)
         time[~np.triu(np.ones_like(time, dtype=bool), 1)] = INF
         params = _range_sums(uc.params)
         static = params * self.precisions[g].static_bytes_per_param(dp, self.planner.distributed_optimizer) \
             + 2 * cost.RECV_AHEAD * uc.boundary_bytes
-        gbs, lat = self.dp_link(g, tp, dp)
-        sync = cost.grad_sync_s(params, dp, gbs, lat, spec, self.planner.distributed_optimizer,
-                                self.precisions[g].grad_bytes)
+        sync = self.grad_sync_s(g, tp, dp, params)
         capacity = self.memory_gib(g) * cost.GIB * self.planner.memory_headroom
         weight = _range_sums(schedule_model.weight_backward_s(self.model, mbs, self.train.seq_length,
                                                               uc.forward_s, uc.backward_s))
         gcosts = _GroupCosts(time, weight, static, _range_sums(uc.activation_bytes),
-                             _range_max(uc.transient_bytes), sync, capacity)
+                             _range_max(uc.transient_bytes), sync, capacity, params)
         self._groups[key] = gcosts
         return gcosts
+
+    def grad_sync_s(self, g: int, tp: int, dp: int, params):
+        """DP gradient sync and optimizer step of a stage of group ``g`` holding ``params`` per device."""
+        gbs, lat = self.dp_link(g, tp, dp)
+        return cost.grad_sync_s(params, dp, gbs, lat, self.specs[g], self.planner.distributed_optimizer,
+                                self.precisions[g].grad_bytes)
 
     def memory_gib(self, g: int) -> float:
         """Memory of one device of group ``g``: ``planner.memory_gib``'s, else the catalog's."""
@@ -291,7 +296,10 @@ class CostContext:
 
     # -- one candidate -------------------------------------------------------------------
     def problem(self, cand: Candidate, schedule: str = "1f1b") -> SplitProblem:
-        """A candidate's split problem under ``schedule`` (see :class:`SplitProblem`)."""
+        """A candidate's contiguous split problem under ``schedule`` (see
+        :class:`SplitProblem`; zb_v's V: :mod:`hetpipe.partitioner.v_split`)."""
+        if schedule_model.is_folded(schedule):
+            raise ValueError(f"{schedule} is not a contiguous split: see partitioner/v_split.py")
         layout = cand.layout()
         P, M = len(layout), cand.num_microbatches
         alone = P == 1
@@ -307,12 +315,11 @@ class CostContext:
         credit = 2 * schedule_model.weight_credit(schedule, P, M)
         path = time - credit * np.stack([np.zeros_like(base[0].weight)] + [c.weight for c in base[1:]])
         sync = np.stack([c.sync for c in base])
-        tied = 0.0 if schedule_model.ties_on_one_rank(schedule) else self.tied_sync_s(cand)
+        tied = self.tied_sync_s(cand)
         if tied:
             sync[0, 0, :] += tied
             sync[-1, :, -1] += tied
-        messages = schedule_model.boundary_messages(schedule)
-        links = [messages * self.link_s(cand, layout[k], layout[k + 1]) for k in range(P - 1)]
+        links = [self.link_s(cand, layout[k], layout[k + 1]) for k in range(P - 1)]
         return SplitProblem(time=time, path=path, sync=sync,
                             feasible=np.stack([c.feasible for c in choices]),
                             memory=np.stack([c.memory for c in choices]),

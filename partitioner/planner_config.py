@@ -39,12 +39,14 @@ class PlannerConfig:
     # (none) under train.compile, which the runtime does not recompute with.
     recompute: str = "auto"
     # Pipeline schedule (partitioner/schedule_model.py): auto takes the one
-    # with the shortest predicted step that fits memory, of 1f1b, zb_h1 and
-    # gpipe (zb_h1 never with full recomputation); or one of them. 1f1b by
-    # default: zb_h1's gain over 1f1b across GPU stages is predicted but not
-    # yet measured (it needs two GPUs; on one H100 one stage ran at 0.99x
-    # 1f1b's rate with 2.1 GiB more peak memory, docs/benchmarks.md), so auto
-    # is opt-in; `plan` prints every schedule's predicted step either way.
+    # with the shortest predicted step that fits memory, of 1f1b, zb_h1, zb_v
+    # (two chunks per rank in a V, split by partitioner/v_split.py) and gpipe
+    # (the zero-bubble ones never with full recomputation); or one of them.
+    # 1f1b by default: the zero-bubble gains across GPU stages are predicted
+    # but not yet measured (they need two GPUs; on one H100 one zb_h1 stage
+    # ran at 0.99x 1f1b's rate with 2.1 GiB more peak memory,
+    # docs/benchmarks.md), so auto is opt-in; `plan` prints every schedule's
+    # predicted step either way.
     schedule: str = "1f1b"
     # Fix the TP degree of every group; None searches the divisors of the head
     # counts that fit in a node.

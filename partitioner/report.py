@@ -12,14 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from hetpipe.cluster import ClusterConfig
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.partitioner import cost, schedule_model
+from hetpipe.partitioner import cost, schedule_model, v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan import Plan, StagePlan
 from hetpipe.partitioner.split import Split
+from hetpipe.placement import Placement
 
 
 @dataclass
@@ -30,6 +33,9 @@ class StageReport:
     ranks: list[int]
     tp: int
     dp: int
+    # Decoder layers and [start, stop) model units of the stage; under zb_v the
+    # rank's, over its two chunks (chunk_layers, chunk_units: virtual stages
+    # r and 2P - 1 - r), and units is its first chunk's.
     layers: int
     units: tuple[int, int]
     # Activation recomputation: none, selective or full, of the first
@@ -47,6 +53,8 @@ class StageReport:
     memory_gib: float
     usable_gib: float
     tflops_per_gpu: float
+    chunk_layers: tuple[int, ...] = ()
+    chunk_units: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -91,22 +99,23 @@ class Solution:
             "cost_source": dict(self.cost_source),
             "cross_vendor_transport": self.transport,
             "predicted_step_s_by_schedule": {o.schedule: None if o.step_s is None else _round(o.step_s)
-                                             for o in self.schedule_options
-                                             if o.schedule not in schedule_model.ESTIMATED_SCHEDULES},
+                                             for o in self.schedule_options},
         }
-        estimated = {o.schedule: None if o.step_s is None else _round(o.step_s) for o in self.schedule_options
-                     if o.schedule in schedule_model.ESTIMATED_SCHEDULES}
-        if estimated:  # listed for comparison, never planned (schedule_model)
-            notes["estimated_step_s_by_schedule"] = estimated
         if list(self.group_order) != [g.name for g in self.cluster.groups if g.name in self.group_order]:
             notes["reordered"] = ("the pipeline visits the groups in group_order, not in the cluster's "
                                   "order; ranks keep the cluster's numbering")
         if self.idle_ranks:
             notes["idle_ranks"] = list(self.idle_ranks)
-        plan = Plan(stages=[StagePlan(group=s.group, ranks=list(s.ranks), layers=s.layers, tp=s.tp, dp=s.dp,
-                                      recompute=s.recompute, recompute_num_layers=s.recompute_num_layers)
-                            for s in self.stages],
-                    schedule=self.schedule, num_chunks=1, notes=notes)
+        chunks = 2 if schedule_model.is_folded(self.schedule) else 1
+        placement = Placement(self.schedule, len(self.stages), chunks)
+        virtual = []
+        for v in range(placement.num_stages):
+            rank, chunk = placement.location(v)
+            s = self.stages[rank]
+            virtual.append(StagePlan(group=s.group, ranks=list(s.ranks), layers=s.chunk_layers[chunk], tp=s.tp,
+                                     dp=s.dp, recompute=s.recompute,
+                                     recompute_num_layers=s.recompute_num_layers if chunks == 1 else None))
+        plan = Plan(stages=virtual, schedule=self.schedule, num_chunks=chunks, notes=notes)
         plan.check_model(self.model.num_layers)
         return plan
 
@@ -132,39 +141,55 @@ class ScheduleOption:
 
 def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: str = "1f1b") -> Solution:
     """The chosen plan under ``schedule``, stage by stage, with its predicted time and memory."""
-    prob = ctx.problem(cand, schedule)
-    sync, memory, capacity, links = prob.sync, prob.memory, prob.capacity, prob.links
     layout = cand.layout()
     P, M, T = len(layout), cand.num_microbatches, split.step_s
-    alone = P == 1
+    bounds = list(split.bounds)
+    alone = P == 1 and not schedule_model.is_folded(schedule)
+    if schedule_model.is_folded(schedule):
+        facts = [(list(r.ranges), r.memory, r.capacity, r.sync_s, r.mode, r.covered)
+                 for r in v_split.price(ctx, cand, bounds)]
+        links = [2 * c for c in v_split.message_s(ctx, cand)]  # both chunks' messages
+    else:
+        prob = ctx.problem(cand, schedule)
+        links = prob.links
+        facts = []
+        for k in range(P):
+            i, j = bounds[k], bounds[k + 1]
+            facts.append(([(i, j)], prob.memory[k, i, j], prob.capacity[k], prob.sync[k, i, j],
+                          prob.recompute[k, i, j], prob.recompute_layers[k, i, j]))
     stages, used = [], set()
     for k, (g, j) in enumerate(layout):
-        i, jj = split.bounds[k], split.bounds[k + 1]
-        layers = (jj - i) - (i == 0) - (jj == ctx.num_units)
-        mode = RECOMPUTE_MODES[prob.recompute[k, i, jj]] if layers else "none"
-        covered = int(prob.recompute_layers[k, i, jj])
+        ranges, memory, capacity, sync, mode_index, covered = facts[k]
+        chunk_layers = tuple(int(ctx.range_layers[a, b]) for a, b in ranges)
+        layers = sum(chunk_layers)
+        mode = RECOMPUTE_MODES[mode_index] if layers else "none"
+        covered = int(covered)
         # The stage's first `covered` layers run in `mode`, the rest and the other units without.
         uc = ctx.unit_costs(g, cand.tp[g], cand.micro_batch_size, "none", alone)
         rc = ctx.unit_costs(g, cand.tp[g], cand.micro_batch_size, mode, alone)
-        first = i + (i == 0)
-        busy = uc.forward_s + uc.backward_s
-        busy[first:first + covered] = (rc.forward_s + rc.backward_s)[first:first + covered]
-        tp_comm = uc.tp_comm_s.copy()
-        tp_comm[first:first + covered] = rc.tp_comm_s[first:first + covered]
+        busy, tp_comm, units = uc.forward_s + uc.backward_s, uc.tp_comm_s.copy(), np.zeros(ctx.num_units, bool)
+        left = covered
+        for a, b in ranges:
+            first = a + (a == 0)
+            n = min(left, int(ctx.range_layers[a, b]))
+            busy[first:first + n] = (rc.forward_s + rc.backward_s)[first:first + n]
+            tp_comm[first:first + n] = rc.tp_comm_s[first:first + n]
+            units[a:b], left = True, left - n
         n = cand.tp[g] * cand.dp
         ranks = [ctx.starts[g] + j * n + r for r in range(n)]
         used.update(ranks)
-        compute = M * float(busy[i:jj].sum())
-        comm = M * float(tp_comm[i:jj].sum()) + float(sync[k, i, jj])
+        compute = M * float(busy[units].sum())
+        comm = M * float(tp_comm[units].sum()) + float(sync)
         boundary = (links[k - 1] if k > 0 else 0.0) + (links[k] if k < P - 1 else 0.0)
         stages.append(StageReport(
             index=k, group=ctx.names[g], device_type=ctx.specs[g].name, ranks=ranks, tp=cand.tp[g], dp=cand.dp,
-            layers=layers, units=(i, jj), recompute=mode if covered else "none",
+            layers=layers, units=ranges[0], recompute=mode if covered else "none",
             recompute_num_layers=covered if mode != "none" and covered < layers else None,
             compute_s=compute, comm_s=comm,
             p2p_s=2 * M * boundary, bubble_s=max(0.0, T - compute - comm),
-            memory_gib=float(memory[k, i, jj]) / cost.GIB, usable_gib=float(capacity[k]) / cost.GIB,
-            tflops_per_gpu=M * float(uc.flops[i:jj].sum()) / T / 1e12))
+            memory_gib=float(memory) / cost.GIB, usable_gib=float(capacity) / cost.GIB,
+            tflops_per_gpu=M * float(uc.flops[units].sum()) / T / 1e12,
+            chunk_layers=chunk_layers, chunk_units=tuple(ranges)))
     gbs, seq = ctx.train.global_batch_size, ctx.train.seq_length
     world = ctx.cluster.world_size
     return Solution(

@@ -34,25 +34,22 @@ microbatches each stage keeps in flight, which is all this module says:
   stage, so it only wins where nothing else is allowed. Its time is taken as
   1F1B's (for unequal stages GPipe's is a little longer: a lower estimate).
 
-* **zb_v** (two chunks per rank in a V, :mod:`hetpipe.schedule_zbv`) is
-  *estimated*, not planned: rank r holds virtual stages r and 2P - 1 - r,
-  two unit ranges, which a split into contiguous stages cannot express. So
-  ``plan`` (with ``planner.schedule=auto``) prices it on a contiguous split
-  as if each rank ran its stage's units as two equal chunks, with the
-  simulator's own counts for what the V changes: its unit-cost makespan (a
-  chunk's F = B = W = 1, a rank's t = 6, w = 2) is
-  ``6M + max(P - 1, 4P - 2 - 2M)`` - one chunk forward per later rank once
-  ``M >= 2P - 1`` - so ``p_k = t_k - 2 kappa w_k`` for k > 0 with ``kappa =
-  (6 - max(1, (4P - 2 - 2M) / (P - 1))) / 4`` (5/4 when full); rank s holds
-  ``min(2P, M + 1 + s, 2M)`` chunks between F and W, half as many whole
-  ranks' activations (rounded up: P on every rank once full, 1F1B's peak on
-  its first stage); each boundary carries both chunks' messages (links
-  count twice); the tied embedding and head share rank 0 (no tied sync).
-  Both closed forms equal the simulator's numbers for every P <= 6 and
-  M <= 13 (``tests/test_partitioner_schedules.py``). The estimate is
-  listed beside the planned schedules, never chosen: planning V layouts
-  needs the split search on the model folded in half (rank r's two ranges
-  are one contiguous range of the folded units), which it does not do.
+* **zb_v** (two chunks per rank in a V, :mod:`hetpipe.schedule_zbv`): rank
+  r holds virtual stages r and 2P - 1 - r, two unit ranges, which the formula
+  above does not price: a V waits on each chunk in turn, not on a rank's
+  total, so :mod:`hetpipe.partitioner.v_split` runs the zb_v order itself
+  through the simulator with each chunk's F, B and W times and each message's
+  time. For equal chunks that gives the closed form :func:`weight_credit`
+  states (the simulator's unit-cost makespan, a chunk's F = B = W = 1, is
+  ``6M + max(P - 1, 4P - 2 - 2M)``: one chunk forward per later rank once
+  ``M >= 2P - 1``, ``kappa = 5/4``). Memory is counted per chunk: a rank
+  keeps chunk c's activations from its F to its W, and :func:`v_chunk_counts`
+  lists the (chunk 0, chunk 1) counts its order reaches at its peaks (2P
+  chunks in all once full: P whole stages' worth for equal chunks, 1F1B's
+  peak on its first stage). Each boundary carries both chunks' messages; the
+  tied embedding and head share rank 0 (summed there, no sync across ranks,
+  each chunk keeping its own copy). Both closed forms equal the simulator's
+  numbers for every P <= 6 and M <= 13 (``tests/test_partitioner_schedules.py``).
 
 Interleaved 1F1B is not modelled: its virtual stages need a split of
 ``P x num_chunks`` ranges with a different pacing, which the split search
@@ -60,40 +57,38 @@ does not solve.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
+from hetpipe.actions import BWD_WEIGHT, FWD
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
+from hetpipe.placement import V_SHAPED_SCHEDULES
+from hetpipe.schedule_zbv import v_orders
 from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES
 
 # In the order the planner reports them and breaks ties by (least memory first).
-PLANNED_SCHEDULES = ("1f1b", "zb_h1", "gpipe")
-# Priced on the same splits and listed after them, never planned (see zb_v above).
-ESTIMATED_SCHEDULES = ("zb_v",)
+PLANNED_SCHEDULES = ("1f1b", "zb_h1", "zb_v", "gpipe")
 
 
 def schedules_for(schedule: str, recompute: str) -> tuple[str, ...]:
     """The schedules ``planner.schedule`` lets the search consider."""
     if schedule == "auto":
-        # Full recomputation everywhere leaves zb_h1 nothing it can run.
-        return tuple(s for s in PLANNED_SCHEDULES if not (s == "zb_h1" and recompute == "full"))
-    if schedule in ESTIMATED_SCHEDULES:
-        raise ConfigError(f"planner.schedule={schedule}: the planner estimates {schedule}'s step beside the others "
-                          "(planner.schedule=auto) but does not plan its V layouts; run it with "
-                          f"partition.schedule={schedule} partition.num_chunks=2")
+        # Full recomputation everywhere leaves the zero-bubble schedules nothing they can run.
+        return tuple(s for s in PLANNED_SCHEDULES if not (s in SPLIT_BACKWARD_SCHEDULES and recompute == "full"))
     if schedule not in PLANNED_SCHEDULES:
         raise ConfigError(f"planner.schedule={schedule!r} is not one of auto, {', '.join(PLANNED_SCHEDULES)} "
                           "(the planner does not model interleaved_1f1b)")
-    if schedule == "zb_h1" and recompute == "full":
-        raise ConfigError("planner.schedule=zb_h1 cannot run planner.recompute=full (its deferred weight "
+    if schedule in SPLIT_BACKWARD_SCHEDULES and recompute == "full":
+        raise ConfigError(f"planner.schedule={schedule} cannot run planner.recompute=full (its deferred weight "
                           "gradients would recompute the layer again); use auto, none or selective")
     return (schedule,)
 
 
-def estimated_for(schedule: str, recompute: str) -> tuple[str, ...]:
-    """The schedules ``plan`` estimates beside the ones it plans: with ``auto``, zb_v
-    (unless every layer recomputes in full, which it cannot run)."""
-    return ESTIMATED_SCHEDULES if schedule == "auto" and recompute != "full" else ()
+def is_folded(schedule: str) -> bool:
+    """Whether ``schedule``'s ranks hold two unit ranges in a V (split on the folded model)."""
+    return schedule in V_SHAPED_SCHEDULES
 
 
 def recompute_modes(schedule: str, modes: tuple[str, ...]) -> tuple[str, ...]:
@@ -103,20 +98,40 @@ def recompute_modes(schedule: str, modes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
-    """Per stage, the most microbatches whose activations it holds at once."""
+    """Per stage, the most microbatches whose activations it holds at once
+    (contiguous schedules; zb_v's chunks: :func:`v_chunk_counts`)."""
     P, M = num_stages, num_microbatches
     if schedule == "gpipe":
         return np.full(P, M)
     if schedule == "zb_h1":
         return np.full(P, min(P, M))
-    if schedule == "zb_v":  # chunks between F and W, in whole ranks: halved, rounded up
-        return -(-np.minimum(np.minimum(2 * P, M + 1 + np.arange(P)), 2 * M) // 2)
     return np.minimum(P - np.arange(P), M)
+
+
+@lru_cache(maxsize=64)
+def v_chunk_counts(num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, ...]:
+    """Per rank under zb_v, the (chunk 0, chunk 1) counts of microbatches
+    between their F and their W at the moments no other moment dominates
+    (rows of an (n, 2) array): the rank's activation peak is the largest
+    ``n0 * a0 + n1 * a1`` over these rows, whatever its chunks' sizes a0, a1."""
+    counts = []
+    for order in v_orders(num_ranks, num_microbatches):
+        live, seen = [0, 0], set()
+        for kind, _, chunk in order:
+            if kind == FWD:
+                live[chunk] += 1
+                seen.add(tuple(live))
+            elif kind == BWD_WEIGHT:
+                live[chunk] -= 1
+        peaks = [p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)]
+        counts.append(np.array(sorted(peaks), dtype=float))
+    return tuple(counts)
 
 
 def weight_credit(schedule: str, num_stages: int, num_microbatches: int) -> float:
     """kappa in ``p_k = t_k - 2 kappa w_k`` (k > 0): 1 for zb_h1 with M >= P,
-    5/4 for zb_v with M >= 2P - 1, 0 for the others."""
+    0 for 1f1b and gpipe; for zb_v with equal chunks (5/4 with M >= 2P - 1),
+    which the planner does not assume (it simulates a V: v_split)."""
     P, M = num_stages, num_microbatches
     if P == 1:
         return 0.0
@@ -128,18 +143,12 @@ def weight_credit(schedule: str, num_stages: int, num_microbatches: int) -> floa
 
 
 # The largest weight_credit of each schedule, for the search's lower bounds.
-MAX_WEIGHT_CREDIT = {"zb_h1": 1.0, "zb_v": 1.25}
+MAX_WEIGHT_CREDIT = {"zb_h1": 1.0}
 
 
 def boundary_messages(schedule: str) -> int:
     """Messages each way over a boundary per microbatch: both chunks' in a V."""
-    return 2 if schedule == "zb_v" else 1
-
-
-def ties_on_one_rank(schedule: str) -> bool:
-    """Whether the embedding and the head sit on one rank (zb_v's rank 0), so a
-    tied weight needs no sync across ranks."""
-    return schedule == "zb_v"
+    return 2 if is_folded(schedule) else 1
 
 
 def weight_backward_s(model: ModelConfig, micro_batch_size: int, seq_length: int, forward_s: np.ndarray,

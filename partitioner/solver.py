@@ -16,8 +16,9 @@ the best plan found, which is what keeps 1024 GPUs under a few seconds.
 With ``planner.schedule=auto`` the search runs once per schedule (each
 schedule changes the memory every stage needs, so the candidates that fit,
 and its own bounds) and the fastest plan wins; the others are reported
-beside it, and so is zb_v's estimate (searched the same way, never chosen:
-:mod:`hetpipe.partitioner.schedule_model`).
+beside it. zb_v's ranks hold two unit ranges each, which
+:mod:`hetpipe.partitioner.v_split` prices by simulating the schedule and
+searches locally from two starting splits (:func:`_search_v`).
 :mod:`hetpipe.partitioner.cost_context` prices each candidate and
 :mod:`hetpipe.partitioner.report` describes the winner.
 """
@@ -32,7 +33,7 @@ import numpy as np
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner import cost, schedule_model
+from hetpipe.partitioner import cost, schedule_model, v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.plan import Plan, StagePlan
@@ -61,11 +62,17 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     found: list[Solution] = []
     options: list[ScheduleOption] = []
     solved = total = 0
-    lean_blocks: Optional[list[_Block]] = None
+    lean: Optional[tuple[list[_Block], str]] = None
     for schedule in schedule_model.schedules_for(planner.schedule, planner.recompute):
-        blocks = _enumerate(ctx, None if fixed is None else len(fixed) - 1, schedule)
-        lean_blocks = lean_blocks or blocks  # the first schedule keeps the fewest microbatches
-        best, count = _search(ctx, blocks, fixed, schedule)
+        num_stages = _num_stages(planner, fixed, schedule)
+        if num_stages == 0:
+            continue  # an odd number of virtual stages has no V
+        blocks = _enumerate(ctx, num_stages, schedule)
+        lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
+        if schedule_model.is_folded(schedule):
+            best, count = _search_v(ctx, blocks, fixed)
+        else:
+            best, count = _search(ctx, blocks, fixed, schedule)
         solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
         if best is None:
             options.append(ScheduleOption(schedule, None))
@@ -73,14 +80,7 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
         found.append(build_solution(ctx, *best, schedule))
         options.append(ScheduleOption.of(found[-1]))
     if not found:
-        raise _no_fit_error(ctx, lean_blocks, fixed, options[0].schedule)
-    # Estimated, never chosen (schedule_model: zb_v's V layouts are not contiguous splits).
-    for schedule in schedule_model.estimated_for(planner.schedule, planner.recompute):
-        blocks = _enumerate(ctx, None if fixed is None else len(fixed) - 1, schedule)
-        best, count = _search(ctx, blocks, fixed, schedule)
-        solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
-        options.append(ScheduleOption(schedule, None) if best is None else
-                       ScheduleOption.of(build_solution(ctx, *best, schedule)))
+        raise _no_fit_error(ctx, *lean, fixed)
     # Ties go to the schedule listed first (PLANNED_SCHEDULES: least memory first).
     solution = min(found, key=lambda s: s.step_s)
     solution.schedule_options = options
@@ -101,16 +101,79 @@ def _search(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
             break
         bi = int(np.searchsorted(starts, pos, side="right")) - 1
         cand = blocks[bi].candidate(int(pos - starts[bi]))
-        prob = ctx.problem(cand, schedule)
         solved += 1
-        if fixed is None:
-            split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path)
-        else:
-            split = evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed,
-                                   prob.path)
+        split = _split(ctx, cand, schedule, fixed)
         if split is not None and (best is None or split.step_s < best[1].step_s):
             best = (cand, split)
     return best, solved
+
+
+def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[list[int]]) -> Optional[Split]:
+    """The candidate's best contiguous split (or the fixed one, priced), or None."""
+    prob = ctx.problem(cand, schedule)
+    if fixed is None:
+        return best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path)
+    return evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed, prob.path)
+
+
+# How many of the best V candidates (by their starting splits) the climb refines.
+V_REFINED = 3
+
+
+def _search_v(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
+              ) -> tuple[Optional[tuple[Candidate, Split]], int]:
+    """zb_v's search (partitioner/v_split.py): each candidate's starting splits
+    are simulated, best-first by a lower bound, and the best few are climbed."""
+    lbs = np.concatenate([b.lower_bounds for b in blocks])
+    starts_at = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
+    scored: list[tuple[float, int, Candidate, Split]] = []
+    tight: list[tuple[float, int, Candidate, list[int]]] = []  # starts that overflow memory
+    solved = 0
+    for pos in np.argsort(lbs, kind="stable"):
+        if scored and lbs[pos] >= min(s[0] for s in scored):
+            break
+        bi = int(np.searchsorted(starts_at, pos, side="right")) - 1
+        cand = blocks[bi].candidate(int(pos - starts_at[bi]))
+        solved += 1
+        for cuts in ([fixed] if fixed is not None else v_split.starts(ctx, cand)):
+            split, overflow = v_split.evaluate(ctx, cand, cuts)
+            if split is not None:
+                scored.append((split.step_s, len(scored), cand, split))
+            else:
+                tight.append((overflow, len(tight), cand, cuts))
+    # The best few climb (where too few fit, the least overflowing starts too:
+    # moving layers between chunks can bring a rank into memory).
+    finalists = [(c, list(sp.bounds)) for _, _, c, sp in sorted(scored)[:V_REFINED]]
+    finalists += [(c, cuts) for _, _, c, cuts in sorted(tight)[:V_REFINED - len(finalists)]]
+    scored = []
+    for cand, cuts in finalists:
+        if fixed is None:
+            cuts = v_split.climb(ctx, cand, cuts)[1]
+        split, _ = v_split.evaluate(ctx, cand, cuts)
+        if split is not None:
+            scored.append((split.step_s, len(scored), cand, split))
+    if not scored:
+        return None, solved
+    _, _, cand, split = min(scored)
+    return (cand, split), solved
+
+
+def _num_stages(planner: PlannerConfig, fixed: Optional[list[int]], schedule: str) -> Optional[int]:
+    """Pipeline ranks a fixed split of virtual stages makes under ``schedule``
+    (None: no fixed split). 0: under zb_v, which ``planner.schedule=auto`` then
+    leaves out, an odd count, or one that ``planner.stages`` contradicts."""
+    if fixed is None:
+        return None
+    virtual = len(fixed) - 1
+    if not schedule_model.is_folded(schedule):
+        return virtual
+    stages = planner.stages
+    if planner.schedule != schedule and (virtual % 2 or (stages is not None and sum(stages) != virtual // 2)):
+        return 0
+    if virtual % 2:
+        raise ConfigError(f"planner.schedule={schedule} places two virtual stages per rank, but the split "
+                          f"partition.layers has {virtual}: give an even number (stages 0..2P-1 of the V)")
+    return virtual // 2
 
 
 def plan_for(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
@@ -152,7 +215,9 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
     bound_mode = ctx.recompute_modes[0] if len(ctx.recompute_modes) == 1 else "none"
     orders = _orders(ctx)
     fixed_stages = _fixed_stages(ctx, num_stages)
-    max_stages = U - (G - 1)  # every group holds a stage, every stage a unit
+    # Every group holds a stage, every (virtual) stage a unit; a V rank holds two.
+    limit = U // 2 if schedule_model.is_folded(schedule) else U
+    max_stages = limit - (G - 1)
     blocks = []
     for mbs in mbs_options:
         per_dp = train.global_batch_size // mbs
@@ -174,7 +239,7 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
                     axes = [np.arange(1, min(room[g], max_stages) + 1) for g in range(G)]
                     grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, G)
                     total = grid.sum(axis=1)
-                    grid = grid[(total <= U) if num_stages is None else (total == num_stages)]
+                    grid = grid[(total <= limit) if num_stages is None else (total == num_stages)]
                 if not len(grid):
                     continue
                 units = [ctx.unit_costs(g, tps[g], mbs, bound_mode, False) for g in range(G)]
@@ -186,6 +251,8 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
                     cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
                     c_max, c_sum = max(cross, default=0.0), 2 * sum(cross)
                     lb = (M - 1) * np.maximum(stage_lb, c_max) + sum_lb + c_sum
+                    if schedule_model.is_folded(schedule):  # simulated: only the busiest rank's work bounds it
+                        lb = M * stage_lb
                     blocks.append(_Block(order, tps, dp, mbs, M, grid, lb))
     if not blocks:
         raise ConfigError(_no_layout_message(ctx, num_stages, fixed_stages))
@@ -306,7 +373,36 @@ def _no_layout_message(ctx: CostContext, num_stages: Optional[int], fixed_stages
             f"{ctx.train.global_batch_size} / {ctx.train.micro_batch_size}")
 
 
-def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[int]], schedule: str,
+def _fullest(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[list[int]]):
+    """The contiguous split whose fullest device is least full, as
+    (fullness, stage, its unit ranges, GiB needed, GiB usable)."""
+    prob = ctx.problem(cand, schedule)
+    memory, capacity = prob.memory, prob.capacity
+    ratio = memory / capacity[:, None, None]
+    N = ratio.shape[1]
+    ratio = np.where(np.triu(np.ones((N, N), dtype=bool), 1), ratio, INF)
+    if fixed is None:
+        value, bounds = minimax(ratio, with_bounds=True)
+    else:
+        bounds = fixed
+        value = max(ratio[k, bounds[k], bounds[k + 1]] for k in range(len(bounds) - 1))
+    k = max(range(len(bounds) - 1), key=lambda s: ratio[s, bounds[s], bounds[s + 1]])
+    i, j = bounds[k], bounds[k + 1]
+    return [(value, k, [(i, j)], memory[k, i, j] / cost.GIB, capacity[k] / cost.GIB)]
+
+
+def _v_fullest(ctx: CostContext, cand: Candidate, fixed: Optional[list[int]]):
+    """As :func:`_fullest`, for zb_v's starting splits (or the fixed one)."""
+    found = []
+    for cuts in ([fixed] if fixed is not None else v_split.starts(ctx, cand)):
+        ranks = v_split.price(ctx, cand, cuts)
+        k = max(range(len(ranks)), key=lambda s: ranks[s].memory / ranks[s].capacity)
+        r = ranks[k]
+        found.append((r.memory / r.capacity, k, list(r.ranges), r.memory / cost.GIB, r.capacity / cost.GIB))
+    return found
+
+
+def _no_fit_error(ctx: CostContext, blocks: list[_Block], schedule: str, fixed: Optional[list[int]],
                   limit: int = 5000) -> ConfigError:
     """Why nothing fits: the least memory-hungry plan tried, its fullest device, and by how much.
 
@@ -318,28 +414,19 @@ def _no_fit_error(ctx: CostContext, blocks: list[_Block], fixed: Optional[list[i
     lean = [(b, r) for b in blocks if b.micro_batch_size == least_mbs for r in range(len(b.stages))]
     lean.sort(key=lambda br: -sum(int(s) * t for s, t in zip(br[0].stages[br[1]], br[0].tp)) * br[0].dp)
     best = None
-    for block, r in lean[:limit]:
+    folded = schedule_model.is_folded(schedule)
+    for block, r in lean[:limit // 25 if folded else limit]:
         cand = block.candidate(r)
-        prob = ctx.problem(cand, schedule)
-        memory, capacity = prob.memory, prob.capacity
-        ratio = memory / capacity[:, None, None]
-        N = ratio.shape[1]
-        ratio = np.where(np.triu(np.ones((N, N), dtype=bool), 1), ratio, INF)
-        if fixed is None:
-            value, bounds = minimax(ratio, with_bounds=True)
-        else:
-            bounds = fixed
-            value = max(ratio[k, bounds[k], bounds[k + 1]] for k in range(len(bounds) - 1))
-        if best is None or value < best[0]:
-            best = (value, cand, bounds, memory, capacity)
-    value, cand, bounds, memory, capacity = best
-    layout = cand.layout()
-    k = max(range(len(layout)), key=lambda s: memory[s, bounds[s], bounds[s + 1]] / capacity[s])
-    g = layout[k][0]
-    spec, i, j = ctx.specs[g], bounds[k], bounds[k + 1]
-    need, usable = memory[k, i, j] / cost.GIB, capacity[k] / cost.GIB
-    layers = (j - i) - (i == 0) - (j == ctx.num_units)
-    extras = (" + embedding" if i == 0 else "") + (" + head" if j == ctx.num_units else "")
+        for value, k, ranges, need, usable in (_v_fullest(ctx, cand, fixed) if folded else
+                                               _fullest(ctx, cand, schedule, fixed)):
+            if best is None or value < best[0]:
+                best = (value, cand, k, ranges, need, usable)
+    value, cand, k, ranges, need, usable = best
+    g = cand.layout()[k][0]
+    spec = ctx.specs[g]
+    layers = sum(int(ctx.range_layers[i, j]) for i, j in ranges)
+    extras = (" + embedding" if min(i for i, _ in ranges) == 0 else "") + \
+        (" + head" if max(j for _, j in ranges) == ctx.num_units else "")
     which = "the split partition.layers" if fixed is not None else "any plan"
     hints = []
     if not ctx.planner.distributed_optimizer and max(b.dp for b in blocks) > 1:

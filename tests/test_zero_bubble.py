@@ -147,3 +147,16 @@ def test_zb_v_checkpoint_resumes_bitwise(tmp_path, corpus_prefix):
     run_pretrain(tmp_path / "cut", first, timeout=240)
     _, rows = run_pretrain(tmp_path / "cut", [*first, "train.train_iters=4", "checkpoint.resume=latest"], timeout=240)
     assert [(r["loss"], r["grad_norm"]) for r in rows if r["step"] > STEPS] == whole[STEPS:]
+
+
+def test_planner_chooses_a_v_that_runs_bitwise(tmp_path, corpus_prefix):
+    # plan=auto with planner.schedule=zb_v: the planner's V split (two chunks
+    # per rank, rank 0 holding the embedding and the loss) runs as written and
+    # equals 1F1B's losses and gradient norms bit for bit.
+    mixed = ["cluster=cpu_mixed", "cluster.transport.kind=tcp"]
+    plain = _train(tmp_path / "1f1b", corpus_prefix, *mixed, "partition.layers=[1,3]")
+    assert _train(tmp_path / "v", corpus_prefix, *mixed, "plan=auto", "planner.schedule=zb_v") == plain
+    plan = Plan.load(tmp_path / "v" / "plan.yaml")
+    assert (plan.schedule, plan.num_chunks, len(plan.stages)) == ("zb_v", 2, 4)
+    assert sum(s.layers for s in plan.stages) == 4 and plan.notes["predicted_step_s"] > 0
+    assert plan.stages[0].ranks == plan.stages[3].ranks and plan.stages[1].ranks == plan.stages[2].ranks
