@@ -46,11 +46,12 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
           planner: Optional[PlannerConfig] = None, layers: Optional[Sequence[int]] = None) -> Solution:
     """The plan with the least predicted step time that fits every device's memory.
 
-    ``layers`` fixes the decoder layers per stage (e.g. ``[15, 17]``): the
-    solver then only chooses the rest (groups' order and stages, TP, DP,
+    ``layers`` fixes the decoder layers per (virtual) stage (e.g. ``[15, 17]``):
+    the solver then only chooses the rest (groups' order and stages, TP, DP,
     microbatches, recomputation per stage, the schedule) and predicts that
-    split. The solution's ``schedule_options`` hold the best plan's step under
-    every schedule considered, estimated ones (zb_v) last. Raises
+    split; under zb_v 2P entries make P ranks (an odd count leaves zb_v out of
+    ``auto``). The solution's ``schedule_options`` hold the best plan's step
+    under every schedule considered. Raises
     :class:`ConfigError` for impossible input, naming what does not fit.
     """
     planner = planner or PlannerConfig()

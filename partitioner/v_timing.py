@@ -4,8 +4,10 @@ The planner prices a V split by the makespan of the zb_v order run with each
 (rank, chunk)'s F, B and W times and each boundary message's time
 (:mod:`hetpipe.partitioner.v_split`). :func:`hetpipe.schedule_check.simulate`
 computes that makespan, but it also checks every pipeline rule on every
-action, which costs about 15 ms per run at 4 ranks x 16 microbatches: too
-slow for a search that runs it a thousand times. The order does not change
+action: 0.95 ms per run at 4 ranks x 16 microbatches and 3.75 ms at 8 x 32
+on this project's 2-core machine, against 0.025 and 0.100 ms here, for a
+search that runs it thousands of times (planning 1024 GPUs took 6 s with
+the simulator, 1.2 s with this). The order does not change
 between runs, only the times do, so :func:`program` turns it once per
 (ranks, microbatches) into a flat list of computations in an order that
 respects every dependency, each naming the computation whose result it
