@@ -137,3 +137,12 @@ def even_split(num_layers: int, num_stages: int) -> list[int]:
     for i in order[:extra]:
         counts[i] += 1
     return counts
+
+
+def v_layers(per_rank: list[int]) -> list[int]:
+    """A V split (virtual stages 0..2P-1, rank r holding r and 2P-1-r) that gives
+    each rank the layers a one-chunk split gives it: rank r's chunk 0 gets the
+    larger half. E.g. PP2's [17, 15] -> [9, 8, 7, 8] in pipeline order."""
+    P = len(per_rank)
+    first = [n - n // 2 for n in per_rank]
+    return first + [per_rank[r] // 2 for r in reversed(range(P))]

@@ -3,8 +3,8 @@
 optimizer as ``python -m hetpipe.pretrain``, pipelined by PyTorch's own
 ``torch.distributed.pipelining`` (``PipelineStage`` + one of its schedules).
 
-``--schedule`` picks the schedule among those that run one stage per rank
-(the peer's split is hetpipe's: one stage module per GPU):
+``--schedule`` picks the schedule; all but the last two run one stage
+module per GPU (the peer's split is hetpipe's):
 
   1f1b              Schedule1F1B (the default)
   gpipe             ScheduleGPipe
@@ -15,9 +15,15 @@ optimizer as ``python -m hetpipe.pretrain``, pipelined by PyTorch's own
                     backward split into input and weight gradients, the
                     latter filling the bubbles (ZB-H1 at PP2, hetpipe's zb_h1)
 
-ScheduleZBVZeroBubble and ScheduleDualPipeV need two stage modules per rank
-in a V (stages 0 and 3 on rank 0, 1 and 2 on rank 1), which this peer does
-not build; ``--schedule zbv`` / ``dualpipev`` is refused with that reason.
+  zbv               ScheduleZBVZeroBubble: two stage modules per rank in a V
+                    (stages 0 and 3 on rank 0, 1 and 2 on rank 1; hetpipe's zb_v)
+  dualpipev         ScheduleDualPipeV: the same V, DualPipe's order (one
+                    chunk's forward beside the other's backward)
+
+For the two V schedules ``--layers`` takes four counts (virtual stages 0..3
+in pipeline order), or two per-rank counts that are halved into the V
+(17,15 -> 9,8,7,8: rank 0 keeps 17 layers, rank 1 15); rank 0 holds the
+embedding and the head, so a tied embedding's two gradients add there.
 
 The script spawns its two ranks itself (NCCL with one GPU per rank on
 ``--device cuda``, gloo on ``--device cpu``). Rank r builds stage r exactly as
@@ -86,18 +92,20 @@ from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import rope_cos_sin
 from hetpipe.models.model_config import model_preset
-from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+from hetpipe.errors import ConfigError
+from hetpipe.partitioner.plan import Plan, StagePlan, even_split, v_layers
 from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.trainer import build_optimizer, lr_at, seed_everything
 
-# --schedule -> torch.distributed.pipelining class, each run with one stage per rank.
+# --schedule -> torch.distributed.pipelining class.
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+             "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 # The multi-stage runtime's classes, which take a list of this rank's stages.
-MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "interleaved_zb"}
-# Schedules that need two stage modules per rank (a V placement): not built here.
-TWO_STAGES_PER_RANK = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-NUM_STAGES = 2
+MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"}
+# Two stage modules per rank in a V: rank r holds stages r and 3 - r.
+V_SHAPED = {"zbv", "dualpipev"}
+NUM_RANKS = 2
 GIB = 2**30
 
 
@@ -135,7 +143,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="model field overrides, e.g. --set num_layers=8 hidden_size=2048")
     p.add_argument("--layers", default=None,
-                   help="decoder layers of stage 0,1, e.g. 17,15 (default: an even split)")
+                   help="decoder layers of stage 0,1, e.g. 17,15 (default: an even split); zbv and dualpipev: "
+                        "of stages 0..3, or per rank as 17,15 (halved into the V)")
     p.add_argument("--seq-length", type=int, default=8192)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=32, help="microbatches per step")
@@ -147,9 +156,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--opt", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="OptimizerConfig overrides, e.g. --opt lr=3e-4 clip_grad=0 lr_warmup_iters=5")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--schedule", default="1f1b", choices=[*SCHEDULES, *TWO_STAGES_PER_RANK],
-                   help="torch.distributed.pipelining schedule (zbv and dualpipev are refused: they need two "
-                        "stage modules per rank)")
+    p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES),
+                   help="torch.distributed.pipelining schedule (zbv and dualpipev: two stage modules per rank)")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--bf16-weights", action="store_true",
                    help="bf16 parameters (no autocast) instead of fp32 master weights + bf16 autocast")
@@ -171,17 +179,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup {args.warmup} must leave at least one of the {args.steps} steps to measure")
-    if args.schedule in TWO_STAGES_PER_RANK:
-        p.error(f"--schedule {args.schedule} ({TWO_STAGES_PER_RANK[args.schedule]}) needs two stage modules per "
-                f"rank in a V placement; this peer runs one stage per rank: choose from {', '.join(SCHEDULES)}")
     if not hasattr(pipelining, SCHEDULES[args.schedule]):
         p.error(f"this torch ({torch.__version__}) has no {SCHEDULES[args.schedule]}")
-    if args.schedule == "interleaved_zb" and args.compile:
-        p.error("--schedule interleaved_zb cannot --compile: torch's input/weight backward split refuses "
+    if args.schedule in ("interleaved_zb", "zbv", "dualpipev") and args.compile:
+        p.error(f"--schedule {args.schedule} cannot --compile: torch's input/weight backward split refuses "
                 "compiled stages")
-    if args.microbatches < NUM_STAGES:
-        p.error(f"{SCHEDULES[args.schedule]} needs at least {NUM_STAGES} microbatches")
-    rounds = max(1, args.microbatches // NUM_STAGES)
+    stages = num_stages(args.schedule)
+    if args.microbatches < stages:
+        p.error(f"{SCHEDULES[args.schedule]} needs at least {stages} microbatches")
+    if args.schedule == "dualpipev" and args.microbatches % 2:
+        p.error("ScheduleDualPipeV needs an even number of microbatches")
+    rounds = max(1, args.microbatches // NUM_RANKS)
     if args.schedule in ("interleaved_1f1b", "interleaved_zb") and args.microbatches % rounds:
         p.error(f"{SCHEDULES[args.schedule]} needs the microbatches ({args.microbatches}) to be a multiple of "
                 f"its rounds ({rounds}): an even number")
@@ -204,13 +212,30 @@ def optimizer_config(args: argparse.Namespace):
     return OptimizerConfig(**overrides)
 
 
-def make_plan(layers: Optional[str], num_layers: int):
-    counts = [int(x) for x in layers.split(",")] if layers else even_split(num_layers, NUM_STAGES)
-    if len(counts) != NUM_STAGES:
-        raise SystemExit(f"bench_pipelining_peer: --layers wants {NUM_STAGES} counts, got {layers!r}")
-    plan = Plan(stages=[StagePlan(group="peer", ranks=[r], layers=n) for r, n in enumerate(counts)],
-                schedule="1f1b")
-    plan.check_model(num_layers)
+def num_stages(schedule: str) -> int:
+    """Pipeline stages of the peer's run: one per rank, two in a V."""
+    return 2 * NUM_RANKS if schedule in V_SHAPED else NUM_RANKS
+
+
+def local_stages(schedule: str, rank: int) -> list[int]:
+    """The stages rank ``rank`` holds, in chunk order."""
+    return [rank, 2 * NUM_RANKS - 1 - rank] if schedule in V_SHAPED else [rank]
+
+
+def make_plan(layers: Optional[str], num_layers: int, schedule: str = "1f1b"):
+    stages = num_stages(schedule)
+    counts = [int(x) for x in layers.split(",")] if layers else even_split(num_layers, stages)
+    if schedule in V_SHAPED and len(counts) == NUM_RANKS:
+        counts = v_layers(counts)
+    if len(counts) != stages:
+        raise SystemExit(f"bench_pipelining_peer: --layers wants {stages} counts, got {layers!r}")
+    ranks = {v: r for r in range(NUM_RANKS) for v in local_stages(schedule, r)}
+    plan = Plan(stages=[StagePlan(group="peer", ranks=[ranks[v]], layers=n) for v, n in enumerate(counts)],
+                schedule="zb_v" if schedule in V_SHAPED else "1f1b", num_chunks=2 if schedule in V_SHAPED else 1)
+    try:
+        plan.check_model(num_layers)
+    except ConfigError as exc:
+        raise SystemExit(f"bench_pipelining_peer: --layers {counts}: {exc}") from None
     return plan
 
 
@@ -275,7 +300,7 @@ def _meta_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(requires_grad)
 
 
-def warm_up(module: PeerStage, loss_fn, rank: int, opts: argparse.Namespace, cfg, device: torch.device,
+def warm_up(module: PeerStage, loss_fn, first: bool, opts: argparse.Namespace, cfg, device: torch.device,
             act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One local forward + backward of this stage (no communication), then the
     gradients are dropped. It loads every CUDA kernel (and compiles the layers)
@@ -283,7 +308,7 @@ def warm_up(module: PeerStage, loss_fn, rank: int, opts: argparse.Namespace, cfg
     receive spins can deadlock the first step (see PipelineEngine.warm_up).
     It also yields the stage's input/output tensor metadata for PipelineStage."""
     shape = (opts.micro_batch_size, opts.seq_length)
-    if rank == 0:
+    if first:
         x = torch.zeros(shape, dtype=torch.long, device=device)
     else:
         x = torch.zeros(*shape, cfg.hidden_size, dtype=act_dtype, device=device, requires_grad=True)
@@ -296,27 +321,39 @@ def warm_up(module: PeerStage, loss_fn, rank: int, opts: argparse.Namespace, cfg
         p.grad = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return _meta_like(x, rank != 0), _meta_like(out, not module.chunk.is_last)
+    return _meta_like(x, not first), _meta_like(out, not module.chunk.is_last)
 
 
 # --------------------------------------------------------------------------- gradients
 
-def _tied_copy(chunk) -> Optional[torch.Tensor]:
-    """This rank's copy of a tied embedding/head weight when the other copy is on the other rank."""
-    if not chunk.cfg.share_embeddings_and_output_weights:
-        return None
-    if chunk.embedding is not None and chunk.head is None:
-        return chunk.embedding.weight
-    if chunk.head is not None and chunk.embedding is None:
-        return chunk.head.output.weight
-    return None
+def _tied_copies(chunks) -> list[torch.Tensor]:
+    """This rank's copies of a tied embedding/head weight, each held by a chunk
+    without the other (two in a V, where rank 0 holds both ends)."""
+    if not chunks[0].cfg.share_embeddings_and_output_weights:
+        return []
+    return ([c.embedding.weight for c in chunks if c.embedding is not None and c.head is None]
+            + [c.head.output.weight for c in chunks if c.head is not None and c.embedding is None])
 
 
-def clip_global_norm(chunk, max_norm: float, device: torch.device) -> torch.Tensor:
+def sync_tied(chunks) -> None:
+    """Sum a tied weight's two gradients: locally when both copies are here,
+    else over the two ranks (both then hold one)."""
+    copies = [w for w in _tied_copies(chunks) if w.grad is not None]
+    if len(copies) == 2:
+        total = copies[0].grad + copies[1].grad
+        for w in copies:
+            w.grad.copy_(total)
+    elif len(copies) == 1:
+        dist.all_reduce(copies[0].grad)
+
+
+def clip_global_norm(chunks, max_norm: float, device: torch.device) -> torch.Tensor:
     """Global gradient norm over both ranks (a tied head copy counted once);
     scales the gradients when ``max_norm`` > 0. Returns the norm (on ``device``)."""
-    skip = _tied_copy(chunk) if chunk.head is not None else None  # the embedding's copy is counted
-    grads = [p.grad for p in chunk.parameters() if p.grad is not None and p is not skip]
+    heads = {id(c.head.output.weight) for c in chunks if c.head is not None}
+    skip = {id(w) for w in _tied_copies(chunks) if id(w) in heads}  # the embedding's copy is counted
+    params = [p for c in chunks for p in c.parameters()]
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     if grads:
         norms = torch._foreach_norm(grads)
         sq = torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1)
@@ -326,7 +363,7 @@ def clip_global_norm(chunk, max_norm: float, device: torch.device) -> torch.Tens
     total = sq.sqrt()[0]
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        all_grads = [p.grad for p in chunk.parameters() if p.grad is not None]
+        all_grads = [p.grad for p in params if p.grad is not None]
         if all_grads:
             torch._foreach_mul_(all_grads, coef.to(all_grads[0].dtype))
     return total
@@ -358,8 +395,8 @@ def run_rank(rank: int, opts: argparse.Namespace, port: int, workdir: str) -> No
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // NUM_STAGES))
-    dist.init_process_group(backend, rank=rank, world_size=NUM_STAGES,
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // NUM_RANKS))
+    dist.init_process_group(backend, rank=rank, world_size=NUM_RANKS,
                             timeout=timedelta(minutes=opts.timeout_min))
     try:
         _train(rank, opts, device, workdir)
@@ -394,58 +431,63 @@ def run_rank(rank: int, opts: argparse.Namespace, port: int, workdir: str) -> No
 def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: str) -> None:
     cfg = model_config(opts)
     opt_cfg = optimizer_config(opts)
-    plan = make_plan(opts.layers, cfg.num_layers)
-    units = plan.unit_ranges()[rank]
+    plan = make_plan(opts.layers, cfg.num_layers, opts.schedule)
+    stages_total = num_stages(opts.schedule)
+    held = local_stages(opts.schedule, rank)
     seed_everything(opts.seed)
-    chunk = build_model(cfg, seed=opts.seed, units=units, device=device)
+    chunks = [build_model(cfg, seed=opts.seed, units=plan.unit_ranges()[v], device=device) for v in held]
     act_dtype = torch.float32
-    if opts.bf16_weights:
-        inv_freq = chunk.inv_freq
-        chunk.to(torch.bfloat16)
-        chunk.inv_freq = inv_freq  # RoPE frequencies stay fp32, as in our model
-        act_dtype = torch.bfloat16
-    if opts.compile:
-        for layer in chunk.layers.values():
-            layer.compile()
+    for chunk in chunks:
+        if opts.bf16_weights:
+            inv_freq = chunk.inv_freq
+            chunk.to(torch.bfloat16)
+            chunk.inv_freq = inv_freq  # RoPE frequencies stay fp32, as in our model
+            act_dtype = torch.bfloat16
+        if opts.compile:
+            for layer in chunk.layers.values():
+                layer.compile()
     amp = "cuda" if (device.type == "cuda" and not opts.bf16_weights) else None
-    module = PeerStage(chunk, amp, opts.head_in_loss)
+    modules = [PeerStage(chunk, amp, opts.head_in_loss) for chunk in chunks]
     fake = os.environ.get("BENCH_PEER_FAKE_OOM")
     if fake and int(fake.split(",")[0]) == rank:
-        module.fake_oom_step = int(fake.split(",")[1])
-    loss_fn = make_loss_fn(module, opts.fused_ce)
+        modules[0].fake_oom_step = int(fake.split(",")[1])
+    holds_last = stages_total - 1 in held
+    loss_rank = next(r for r in range(NUM_RANKS) if stages_total - 1 in local_stages(opts.schedule, r))
+    loss_fn = make_loss_fn(modules[held.index(stages_total - 1)] if holds_last else modules[0], opts.fused_ce)
 
     global_batch = opts.micro_batch_size * opts.microbatches
     loader = MicrobatchLoader(opts.data, opts.tokenizer, seq_length=opts.seq_length,
                               global_batch_size=global_batch, micro_batch_size=opts.micro_batch_size,
                               vocab_size=cfg.vocab_size, seed=opts.seed)
     assert loader.num_microbatches == opts.microbatches
-    optimizer = build_optimizer([chunk], opt_cfg, device)
+    optimizer = build_optimizer(chunks, opt_cfg, device)
 
-    input_meta, output_meta = warm_up(module, loss_fn, rank, opts, cfg, device, act_dtype)
+    metas = {v: warm_up(m, loss_fn, v == 0, opts, cfg, device, act_dtype) for v, m in zip(held, modules)}
     # The boundary buffers are allocated from these metas: a dtype or shape
     # mismatch would be garbage on the wire, so check it once, loudly.
-    boundary = [None] * NUM_STAGES
-    dist.all_gather_object(boundary, (tuple(output_meta.shape), str(output_meta.dtype)) if rank == 0
-                           else (tuple(input_meta.shape), str(input_meta.dtype)))
-    if boundary[0] != boundary[1]:
-        raise RuntimeError(f"stage 0 sends {boundary[0]} but stage 1 expects {boundary[1]}")
-    stage = pipelining.PipelineStage(module, stage_index=rank, num_stages=NUM_STAGES, device=device,
-                          input_args=input_meta, output_args=output_meta)
+    gathered = [None] * NUM_RANKS
+    dist.all_gather_object(gathered, {v: ((tuple(i.shape), str(i.dtype)), (tuple(o.shape), str(o.dtype)))
+                                      for v, (i, o) in metas.items()})
+    described = {v: io for part in gathered for v, io in part.items()}
+    for v in range(stages_total - 1):
+        if described[v][1] != described[v + 1][0]:
+            raise RuntimeError(f"stage {v} sends {described[v][1]} but stage {v + 1} expects {described[v + 1][0]}")
+    stages = [pipelining.PipelineStage(m, stage_index=v, num_stages=stages_total, device=device,
+                                       input_args=metas[v][0], output_args=metas[v][1])
+              for v, m in zip(held, modules)]
     schedule_class = getattr(pipelining, SCHEDULES[opts.schedule])
-    schedule = schedule_class([stage] if opts.schedule in MULTI_STAGE else stage,
+    schedule = schedule_class(stages if opts.schedule in MULTI_STAGE else stages[0],
                               n_microbatches=opts.microbatches, loss_fn=loss_fn)
     step_kwargs = {}
     if "return_outputs" in inspect.signature(schedule.step).parameters:
         step_kwargs["return_outputs"] = opts.return_outputs
-    elif not opts.return_outputs and rank == NUM_STAGES - 1:
+    elif not opts.return_outputs and holds_last:
         print("bench_pipelining_peer: this torch's schedule.step has no return_outputs; outputs are kept",
               file=sys.stderr, flush=True)
-    tied = _tied_copy(chunk)
     flops = megatron_model_flops(cfg, global_batch, opts.seq_length)
     tokens_per_step = global_batch * opts.seq_length
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    is_last = rank == NUM_STAGES - 1
 
     if rank == 0:
         precision = "bf16 weights" if opts.bf16_weights else "bf16 autocast" if amp else "fp32"
@@ -459,7 +501,8 @@ def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: s
 
     for step in range(opts.steps):
         (Path(workdir) / f"progress_rank{rank}").write_text(str(step + 1))
-        module.step = step + 1
+        for module in modules:
+            module.step = step + 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -468,15 +511,15 @@ def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: s
             group["lr"] = lr
         microbatches = loader.next_step()
         losses: list[torch.Tensor] = []
-        if rank == 0:
-            tokens = torch.cat([t for t, _ in microbatches]).to(device, non_blocking=True)
-            schedule.step(tokens, **step_kwargs)
-        else:
-            labels = torch.cat([y for _, y in microbatches]).to(device, non_blocking=True)
-            schedule.step(target=labels, losses=losses, **step_kwargs)
-        if tied is not None and tied.grad is not None:
-            dist.all_reduce(tied.grad)
-        grad_norm = clip_global_norm(chunk, opt_cfg.clip_grad, device)
+        args, kwargs = [], dict(step_kwargs)
+        if 0 in held:
+            args.append(torch.cat([t for t, _ in microbatches]).to(device, non_blocking=True))
+        if holds_last:
+            kwargs.update(target=torch.cat([y for _, y in microbatches]).to(device, non_blocking=True),
+                          losses=losses)
+        schedule.step(*args, **kwargs)
+        sync_tied(chunks)
+        grad_norm = clip_global_norm(chunks, opt_cfg.clip_grad, device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -484,26 +527,26 @@ def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: s
         elapsed = time.perf_counter() - start
 
         loss = float("nan")
-        if is_last:
+        if holds_last:
             total = None
             for x in losses:  # microbatch order, as our engine sums them
                 total = x.detach().float() if total is None else total + x.detach().float()
             loss = (total / opts.microbatches).item()
         peak = _peak_gib(device)
         mine = torch.tensor([loss, elapsed, -1.0 if peak is None else peak], dtype=torch.float64, device=device)
-        table = [torch.empty_like(mine) for _ in range(NUM_STAGES)]
+        table = [torch.empty_like(mine) for _ in range(NUM_RANKS)]
         dist.all_gather(table, mine)
         if rank == 0:
             rows = [t.tolist() for t in table]
             step_time = max(r[1] for r in rows)
             record = {
                 "step": step + 1,
-                "loss": rows[-1][0],
+                "loss": rows[loss_rank][0],
                 "grad_norm": float(grad_norm),
                 "lr": lr,
                 "step_time_s": step_time,
                 "tokens_per_s": tokens_per_step / step_time,
-                "tflops_per_gpu": flops / step_time / NUM_STAGES / 1e12,
+                "tflops_per_gpu": flops / step_time / NUM_RANKS / 1e12,
                 "peak_mem_gib": [None if r[2] < 0 else r[2] for r in rows],
                 "warmup": step < opts.warmup,
             }
@@ -554,7 +597,7 @@ def summarise(opts: argparse.Namespace, cfg, plan, records: list[dict], oom: Opt
         tokens = opts.micro_batch_size * opts.microbatches * opts.seq_length
         flops = megatron_model_flops(cfg, opts.micro_batch_size * opts.microbatches, opts.seq_length)
         result.update(step_time_s=step_time, tokens_per_s=tokens / step_time,
-                      tflops_per_gpu=flops / step_time / NUM_STAGES / 1e12)
+                      tflops_per_gpu=flops / step_time / NUM_RANKS / 1e12)
     if oom:
         result["oom"] = oom
         result["peak_mem_gib"] = oom.get("peak_mem_gib_per_rank", result["peak_mem_gib"])
@@ -565,9 +608,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     opts = parse_args(argv)
     cfg = model_config(opts)
     optimizer_config(opts)
-    plan = make_plan(opts.layers, cfg.num_layers)
-    if opts.device == "cuda" and torch.cuda.device_count() < NUM_STAGES:
-        raise SystemExit(f"bench_pipelining_peer: needs {NUM_STAGES} GPUs, found {torch.cuda.device_count()}")
+    plan = make_plan(opts.layers, cfg.num_layers, opts.schedule)
+    if opts.device == "cuda" and torch.cuda.device_count() < NUM_RANKS:
+        raise SystemExit(f"bench_pipelining_peer: needs {NUM_RANKS} GPUs, found {torch.cuda.device_count()}")
     if opts.data == "demo":
         opts.data = demo_corpus(opts.tokenizer)  # built once here, not by both ranks at once
     MicrobatchLoader(opts.data, opts.tokenizer, seq_length=opts.seq_length,
@@ -577,7 +620,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="peer-") as workdir:
         failure: Optional[BaseException] = None
         try:
-            mp.spawn(run_rank, args=(opts, _free_port(), workdir), nprocs=NUM_STAGES, join=True)
+            mp.spawn(run_rank, args=(opts, _free_port(), workdir), nprocs=NUM_RANKS, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             failure = exc
         steps_file = Path(workdir) / "steps.jsonl"
@@ -588,7 +631,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         oom = {"rank": ooms[0]["rank"], "step": ooms[0]["step"], "error": ooms[0]["error"],
                "ranks": [o["rank"] for o in ooms],
                "peak_mem_gib_per_rank": [next((o["peak_mem_gib"] for o in ooms if o["rank"] == r), None)
-                                         for r in range(NUM_STAGES)]}
+                                         for r in range(NUM_RANKS)]}
     elif failure is not None:
         print(f"bench_pipelining_peer: a rank failed:\n{failure}", file=sys.stderr)
         return 1

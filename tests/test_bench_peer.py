@@ -86,12 +86,25 @@ def test_zero_bubble_schedule_trains_the_same(tmp_path, corpus_prefix, ours):
     assert result["losses"] == pytest.approx(ours[0], rel=1e-5)
 
 
-def test_two_stages_per_rank_schedules_are_refused():
+@pytest.mark.parametrize("schedule, layers", [("zbv", "1,3"), ("dualpipev", "1,1,1,1")])
+def test_v_schedules_train_the_same(tmp_path, corpus_prefix, ours, schedule, layers):
+    # Two stage modules per rank in a V (rank 0: stages 0 and 3, so the tokens
+    # and the loss; rank 1: stages 1 and 2). Two per-rank counts are halved
+    # into the V (1,3 -> 1,2,1,0), four are taken as they are.
+    result, _ = _peer(tmp_path, corpus_prefix, "--schedule", schedule, "--layers", layers, name=schedule)
+    assert result["schedule"] == {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}[schedule]
+    assert result["layers"] == {"1,3": [1, 2, 1, 0], "1,1,1,1": [1, 1, 1, 1]}[layers]
+    assert result["losses"] == pytest.approx(ours[0], rel=1e-5)
+    assert result["grad_norms"] == pytest.approx(ours[1], rel=1e-5)
+
+
+def test_a_v_split_with_an_empty_middle_stage_is_one_line():
     proc = subprocess.run([sys.executable, "scripts/bench_pipelining_peer.py", "--model", "tiny_llama",
-                           "--device", "cpu", "--schedule", "zbv"], cwd=REPO, text=True, capture_output=True,
-                          timeout=60)
-    assert proc.returncode == 2
-    assert "ScheduleZBVZeroBubble) needs two stage modules per rank" in proc.stderr and "interleaved_zb" in proc.stderr
+                           "--device", "cpu", "--seq-length", "32", "--schedule", "zbv", "--layers", "3,1"],
+                          cwd=REPO, text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("bench_pipelining_peer: --layers [2, 1, 0, 1]: plan gives virtual stage(s) [2] "
+                                   "no model units")
 
 
 def test_out_of_memory_is_a_result(tmp_path, corpus_prefix):
