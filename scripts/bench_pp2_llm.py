@@ -28,10 +28,11 @@ layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true);
 for them (cluster.transport.gemm_sm_carveout=N; sm0: none); ``+pure`` runs hetpipe in
 train.precision=bf16-pure, the peer's own precision (bf16 parameters,
 gradients and AdamW state), beside the default. ``+sched=NAME`` picks the
-pipeline schedule: on a hetpipe variant partition.schedule=NAME (gpipe, 1f1b
-or zb_h1; ``nccl+sched=zb_h1`` is zero bubble over NCCL), on ``peer`` the
-peer's --schedule (1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zb;
-see the peer's docstring). A bare ``peer`` runs once per --peer-schedules
+pipeline schedule: on a hetpipe variant partition.schedule=NAME (gpipe, 1f1b,
+zb_h1 or zb_v; ``nccl+sched=zb_h1`` is zero bubble over NCCL; zb_v halves
+each rank's --layers into its two chunks, 17,15 -> 9,8,7,8), on ``peer`` the
+peer's --schedule (1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zb,
+zbv, dualpipev; see the peer's docstring). A bare ``peer`` runs once per --peer-schedules
 entry, as ``peer`` (1f1b) and ``peer+sched=NAME``; the table's "x peer" ratio
 is against the 1F1B peer.
 ``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
@@ -62,7 +63,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hetpipe.errors import HetpipeError
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan import Plan, v_layers
+from hetpipe.partitioner.schedule_model import PLANNED_SCHEDULES
 from hetpipe.partitioner.solver import solve
 from hetpipe.pretrain_config import resolve
 from hetpipe.schedules import SCHEDULES
@@ -74,7 +76,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 # hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.
-HETPIPE_SCHEDULES = tuple(name for name in SCHEDULES if name not in ("interleaved_1f1b", "zb_v"))
+# zb_v halves each rank's --layers count into its two chunks (partitioner.plan.v_layers).
+HETPIPE_SCHEDULES = tuple(name for name in SCHEDULES if name != "interleaved_1f1b")
 
 # Both hetpipe and the peer follow this optimizer schedule: lr 3e-4 (the
 # default) after 2000 warmup steps, as in a real LLaMA-3-8B run's first steps.
@@ -125,13 +128,15 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
         plan = Plan.load(run_dir / "plan.yaml")
     except (OSError, HetpipeError) as exc:
         return None, f"no run config: {exc}"
-    physical = plan.stages[: plan.pipeline_size]
+    physical = plan.stages[: plan.pipeline_size]  # the first P virtual stages: ranks 0..P-1
     tps = {s.tp for s in physical}
-    if len(tps) > 1 or plan.num_chunks > 1 or plan.schedule != "1f1b":
-        return None, "the planner fixes one TP degree for all groups and plans 1F1B only"
+    if len(tps) > 1:
+        return None, "the planner fixes one TP degree for all groups"
+    if plan.schedule not in PLANNED_SCHEDULES:
+        return None, f"the planner does not model {plan.schedule}"
     kind = cfg.cluster.transport.kind
     planner = dataclasses.replace(
-        cfg.planner, tp=tps.pop(), dp=physical[0].dp, recompute="none",
+        cfg.planner, tp=tps.pop(), dp=physical[0].dp, recompute="none", schedule=plan.schedule,
         stages=[sum(s.group == g.name for s in physical) for g in cfg.cluster.groups],
         group_order=list(dict.fromkeys(s.group for s in physical)),
         transport="direct" if kind == "direct" else "cpu_forwarding",
@@ -143,7 +148,8 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
 
 
 def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path) -> dict:
-    layers = "[" + args.layers + "]"
+    counts = [int(n) for n in args.layers.split(",")]
+    layers = "[" + ",".join(str(n) for n in (v_layers(counts) if schedule == "zb_v" else counts)) + "]"
     # --microbatches is per DP replica: the per-GPU batch stays that of the 2-GPU run.
     replicas = 1 if args.gpus == 2 else (args.gpus // 4 if variant == "tp2" else args.gpus // 2)
     overrides = [f"+model={args.model}", f"train.seq_length={args.seq_length}",
@@ -154,6 +160,7 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path) -
                  *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
                  f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
                  f"optimizer.distributed={'zero1' in flags}", f"partition.schedule={schedule}",
+                 f"partition.num_chunks={2 if schedule == 'zb_v' else 1}",
                  *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
                  *[f"cluster.transport.gemm_sm_carveout={f[2:]}" for f in flags if f.startswith("sm")],
                  *[f"optimizer.{k}={v}" for k, v in OPTIMIZER.items()],
@@ -307,7 +314,7 @@ def main() -> None:
     peer_schedules = args.peer_schedules.split(",")
     if set(peer_schedules) - set(PEER_SCHEDULES):
         p.error(f"unknown --peer-schedules {sorted(set(peer_schedules) - set(PEER_SCHEDULES))}; choose from "
-                f"{', '.join(PEER_SCHEDULES)} (the peer refuses the schedules with two stages per rank)")
+                f"{', '.join(PEER_SCHEDULES)}")
     variants = []
     for variant in args.variants.split(","):
         if variant == "peer":
