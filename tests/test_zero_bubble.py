@@ -90,6 +90,17 @@ def _train(run_dir, data, *overrides):
     return [(r["loss"], r["grad_norm"]) for r in rows]
 
 
+# 1F1B runs several cases compare against, by (data, overrides): each runs once.
+_PLAIN: dict[tuple[str, ...], list] = {}
+
+
+def _plain(tmp_path_factory, data, *overrides):
+    key = (str(data), *overrides)
+    if key not in _PLAIN:
+        _PLAIN[key] = _train(tmp_path_factory.mktemp("1f1b"), data, *overrides)
+    return _PLAIN[key]
+
+
 ZB_V = ["partition.schedule=zb_v", "partition.num_chunks=2"]
 MIXED_2X2 = ["cluster=cpu_mixed", "cluster.groups.0.ranks_per_node=2", "cluster.groups.1.ranks_per_node=2"]
 
@@ -119,9 +130,9 @@ CASES = [  # (name, both runs' overrides, 1F1B's split, the zero-bubble run's sc
 
 
 @pytest.mark.parametrize("name, overrides, plain_split, zero_bubble", CASES, ids=[case[0] for case in CASES])
-def test_zb_h1_is_bitwise_1f1b_across_vendor_groups(tmp_path, corpus_prefix, name, overrides, plain_split,
-                                                    zero_bubble):
-    plain = _train(tmp_path / "1f1b", corpus_prefix, *overrides, *plain_split)
+def test_zb_h1_is_bitwise_1f1b_across_vendor_groups(tmp_path, tmp_path_factory, corpus_prefix, name, overrides,
+                                                    plain_split, zero_bubble):
+    plain = _plain(tmp_path_factory, corpus_prefix, *overrides, *plain_split)
     assert _train(tmp_path / "zb", corpus_prefix, *overrides, *zero_bubble) == plain
 
 
@@ -149,12 +160,12 @@ def test_zb_v_checkpoint_resumes_bitwise(tmp_path, corpus_prefix):
     assert [(r["loss"], r["grad_norm"]) for r in rows if r["step"] > STEPS] == whole[STEPS:]
 
 
-def test_planner_chooses_a_v_that_runs_bitwise(tmp_path, corpus_prefix):
+def test_planner_chooses_a_v_that_runs_bitwise(tmp_path, tmp_path_factory, corpus_prefix):
     # plan=auto with planner.schedule=zb_v: the planner's V split (two chunks
     # per rank, rank 0 holding the embedding and the loss) runs as written and
     # equals 1F1B's losses and gradient norms bit for bit.
     mixed = ["cluster=cpu_mixed", "cluster.transport.kind=tcp"]
-    plain = _train(tmp_path / "1f1b", corpus_prefix, *mixed, "partition.layers=[1,3]")
+    plain = _plain(tmp_path_factory, corpus_prefix, *mixed, "partition.layers=[1,3]")
     assert _train(tmp_path / "v", corpus_prefix, *mixed, "plan=auto", "planner.schedule=zb_v") == plain
     plan = Plan.load(tmp_path / "v" / "plan.yaml")
     assert (plan.schedule, plan.num_chunks, len(plan.stages)) == ("zb_v", 2, 4)
