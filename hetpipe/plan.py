@@ -193,7 +193,7 @@ def _schedule_lines(s: Solution) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines += ["bubble: the busiest stage's idle time; planner.schedule=NAME plans for one schedule"]
-    if schedule_model.is_folded(s.schedule):
+    if schedule_model.is_v_shaped(s.schedule):
         lines.append(f"{s.schedule}: each rank holds two chunks in a V (virtual stages r and 2P-1-r), "
                      "listed as chunk 0 & chunk 1")
     return lines

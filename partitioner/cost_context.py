@@ -298,7 +298,7 @@ class CostContext:
     def problem(self, cand: Candidate, schedule: str = "1f1b") -> SplitProblem:
         """A candidate's contiguous split problem under ``schedule`` (see
         :class:`SplitProblem`; zb_v's V: :mod:`hetpipe.partitioner.v_split`)."""
-        if schedule_model.is_folded(schedule):
+        if schedule_model.is_v_shaped(schedule):
             raise ValueError(f"{schedule} is not a contiguous split: see partitioner/v_split.py")
         layout = cand.layout()
         P, M = len(layout), cand.num_microbatches

@@ -106,7 +106,7 @@ class Solution:
                                   "order; ranks keep the cluster's numbering")
         if self.idle_ranks:
             notes["idle_ranks"] = list(self.idle_ranks)
-        chunks = 2 if schedule_model.is_folded(self.schedule) else 1
+        chunks = 2 if schedule_model.is_v_shaped(self.schedule) else 1
         placement = Placement(self.schedule, len(self.stages), chunks)
         virtual = []
         for v in range(placement.num_stages):
@@ -144,11 +144,11 @@ def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: st
     layout = cand.layout()
     P, M, T = len(layout), cand.num_microbatches, split.step_s
     bounds = list(split.bounds)
-    alone = P == 1 and not schedule_model.is_folded(schedule)
-    if schedule_model.is_folded(schedule):
+    alone = P == 1 and not schedule_model.is_v_shaped(schedule)
+    if schedule_model.is_v_shaped(schedule):
         facts = [(list(r.ranges), r.memory, r.capacity, r.sync_s, r.mode, r.covered)
                  for r in v_split.price(ctx, cand, bounds)]
-        links = [2 * c for c in v_split.message_s(ctx, cand)]  # both chunks' messages
+        links = [schedule_model.boundary_messages(schedule) * c for c in v_split.message_s(ctx, cand)]
     else:
         prob = ctx.problem(cand, schedule)
         links = prob.links

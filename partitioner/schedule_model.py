@@ -86,8 +86,8 @@ def schedules_for(schedule: str, recompute: str) -> tuple[str, ...]:
     return (schedule,)
 
 
-def is_folded(schedule: str) -> bool:
-    """Whether ``schedule``'s ranks hold two unit ranges in a V (split on the folded model)."""
+def is_v_shaped(schedule: str) -> bool:
+    """Whether ``schedule``'s ranks hold two unit ranges in a V (split by partitioner/v_split.py)."""
     return schedule in V_SHAPED_SCHEDULES
 
 
@@ -148,7 +148,7 @@ MAX_WEIGHT_CREDIT = {"zb_h1": 1.0}
 
 def boundary_messages(schedule: str) -> int:
     """Messages each way over a boundary per microbatch: both chunks' in a V."""
-    return 2 if is_folded(schedule) else 1
+    return 2 if is_v_shaped(schedule) else 1
 
 
 def weight_backward_s(model: ModelConfig, micro_batch_size: int, seq_length: int, forward_s: np.ndarray,

@@ -70,7 +70,7 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             continue  # an odd number of virtual stages has no V
         blocks = _enumerate(ctx, num_stages, schedule)
         lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
-        if schedule_model.is_folded(schedule):
+        if schedule_model.is_v_shaped(schedule):
             best, count = _search_v(ctx, blocks, fixed)
         else:
             best, count = _search(ctx, blocks, fixed, schedule)
@@ -129,9 +129,9 @@ def _search_v(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int
     starts_at = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
     scored: list[tuple[float, int, Candidate, Split]] = []
     tight: list[tuple[float, int, Candidate, list[int]]] = []  # starts that overflow memory
-    solved = 0
+    solved, best = 0, INF
     for pos in np.argsort(lbs, kind="stable"):
-        if scored and lbs[pos] >= min(s[0] for s in scored):
+        if lbs[pos] >= best:
             break
         bi = int(np.searchsorted(starts_at, pos, side="right")) - 1
         cand = blocks[bi].candidate(int(pos - starts_at[bi]))
@@ -140,6 +140,7 @@ def _search_v(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int
             split, overflow = v_split.evaluate(ctx, cand, cuts)
             if split is not None:
                 scored.append((split.step_s, len(scored), cand, split))
+                best = min(best, split.step_s)
             else:
                 tight.append((overflow, len(tight), cand, cuts))
     # The best few climb (where too few fit, the least overflowing starts too:
@@ -166,7 +167,7 @@ def _num_stages(planner: PlannerConfig, fixed: Optional[list[int]], schedule: st
     if fixed is None:
         return None
     virtual = len(fixed) - 1
-    if not schedule_model.is_folded(schedule):
+    if not schedule_model.is_v_shaped(schedule):
         return virtual
     stages = planner.stages
     if planner.schedule != schedule and (virtual % 2 or (stages is not None and sum(stages) != virtual // 2)):
@@ -217,7 +218,7 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
     orders = _orders(ctx)
     fixed_stages = _fixed_stages(ctx, num_stages)
     # Every group holds a stage, every (virtual) stage a unit; a V rank holds two.
-    limit = U // 2 if schedule_model.is_folded(schedule) else U
+    limit = U // 2 if schedule_model.is_v_shaped(schedule) else U
     max_stages = limit - (G - 1)
     blocks = []
     for mbs in mbs_options:
@@ -252,7 +253,7 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
                     cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
                     c_max, c_sum = max(cross, default=0.0), 2 * sum(cross)
                     lb = (M - 1) * np.maximum(stage_lb, c_max) + sum_lb + c_sum
-                    if schedule_model.is_folded(schedule):  # simulated: only the busiest rank's work bounds it
+                    if schedule_model.is_v_shaped(schedule):  # simulated: only the busiest rank's work bounds it
                         lb = M * stage_lb
                     blocks.append(_Block(order, tps, dp, mbs, M, grid, lb))
     if not blocks:
@@ -415,10 +416,11 @@ def _no_fit_error(ctx: CostContext, blocks: list[_Block], schedule: str, fixed: 
     lean = [(b, r) for b in blocks if b.micro_batch_size == least_mbs for r in range(len(b.stages))]
     lean.sort(key=lambda br: -sum(int(s) * t for s, t in zip(br[0].stages[br[1]], br[0].tp)) * br[0].dp)
     best = None
-    folded = schedule_model.is_folded(schedule)
-    for block, r in lean[:limit // 25 if folded else limit]:
+    v_shaped = schedule_model.is_v_shaped(schedule)
+    # A V candidate is priced start by start in Python, not as one matrix: fewer of them.
+    for block, r in lean[:limit // 25 if v_shaped else limit]:
         cand = block.candidate(r)
-        for value, k, ranges, need, usable in (_v_fullest(ctx, cand, fixed) if folded else
+        for value, k, ranges, need, usable in (_v_fullest(ctx, cand, fixed) if v_shaped else
                                                _fullest(ctx, cand, schedule, fixed)):
             if best is None or value < best[0]:
                 best = (value, cand, k, ranges, need, usable)
