@@ -85,13 +85,8 @@ class Plan:
 
     def unit_ranges(self) -> list[tuple[int, int]]:
         """[start, stop) model-unit range of each virtual stage (unit 0 = embedding)."""
-        ranges, start = [], 0
-        last = len(self.stages) - 1
-        for v, stage in enumerate(self.stages):
-            stop = start + stage.layers + (1 if v == 0 else 0) + (1 if v == last else 0)
-            ranges.append((start, stop))
-            start = stop
-        return ranges
+        bounds = unit_bounds([s.layers for s in self.stages])
+        return list(zip(bounds, bounds[1:]))
 
     def check_model(self, num_layers: int) -> None:
         if self.num_layers != num_layers:
@@ -125,6 +120,15 @@ class Plan:
         if not p.is_file():
             raise ConfigError(f"plan file {p} not found")
         return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+
+
+def unit_bounds(layers: list[int]) -> list[int]:
+    """Model-unit boundaries of (virtual) stages holding ``layers`` decoder layers
+    each, the embedding joining the first and the head the last."""
+    bounds = [0]
+    for v, n in enumerate(layers):
+        bounds.append(bounds[-1] + n + (v == 0) + (v == len(layers) - 1))
+    return bounds
 
 
 def even_split(num_layers: int, num_stages: int) -> list[int]:

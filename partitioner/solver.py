@@ -36,7 +36,7 @@ from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner import cost, schedule_model, v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.inputs import TrainShape
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.plan import Plan, StagePlan, unit_bounds
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.report import ScheduleOption, Solution, build_solution
 from hetpipe.partitioner.split import INF, Split, best_split, evaluate_split, minimax
@@ -351,10 +351,7 @@ def _fixed_bounds(model: ModelConfig, cluster: ClusterConfig, layers: Optional[S
     if not layers:
         raise ConfigError("an explicit split needs at least one stage")
     Plan(stages=[StagePlan(group="", ranks=[], layers=n) for n in layers]).check_model(model.num_layers)
-    bounds = [0]
-    for k, n in enumerate(layers):
-        bounds.append(bounds[-1] + n + (k == 0) + (k == len(layers) - 1))
-    return bounds
+    return unit_bounds(layers)
 
 
 def _no_layout_message(ctx: CostContext, num_stages: Optional[int], fixed_stages) -> str:

@@ -40,7 +40,7 @@ import numpy as np
 from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner import schedule_model
 from hetpipe.partitioner.cost_context import Candidate, CostContext
-from hetpipe.partitioner.plan import even_split
+from hetpipe.partitioner.plan import even_split, unit_bounds
 from hetpipe.partitioner.split import INF, Split, minimax
 from hetpipe.partitioner.v_timing import makespan
 from hetpipe.placement import Placement
@@ -152,10 +152,7 @@ def starts(ctx: CostContext, cand: Candidate) -> list[list[int]]:
     value, bounds = minimax(np.where(np.triu(np.ones((U + 1, U + 1), bool), 1), time, INF), with_bounds=True)
     if np.isfinite(value):
         found.append(list(bounds))
-    counts = even_split(ctx.model.num_layers, 2 * P)
-    even = [0]
-    for v, n in enumerate(counts):
-        even.append(even[-1] + n + (v == 0) + (v == 2 * P - 1))
+    even = unit_bounds(even_split(ctx.model.num_layers, 2 * P))
     if all(b > a for a, b in zip(even, even[1:])) and even not in found:
         found.append(even)
     return found
