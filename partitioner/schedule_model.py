@@ -38,18 +38,18 @@ microbatches each stage keeps in flight, which is all this module says:
   r holds virtual stages r and 2P - 1 - r, two unit ranges, which the formula
   above does not price: a V waits on each chunk in turn, not on a rank's
   total, so :mod:`hetpipe.partitioner.v_split` runs the zb_v order itself
-  through the simulator with each chunk's F, B and W times and each message's
-  time. For equal chunks that gives the closed form :func:`weight_credit`
-  states (the simulator's unit-cost makespan, a chunk's F = B = W = 1, is
-  ``6M + max(P - 1, 4P - 2 - 2M)``: one chunk forward per later rank once
-  ``M >= 2P - 1``, ``kappa = 5/4``). Memory is counted per chunk: a rank
+  with each chunk's F, B and W times and each message's time
+  (:mod:`hetpipe.partitioner.v_timing`). For equal chunks (a chunk's F = B =
+  W = 1) that is the simulator's unit-cost makespan ``6M + max(P - 1, 4P - 2
+  - 2M)``: one chunk forward per later rank once ``M >= 2P - 1``. Memory is
+  counted per chunk: a rank
   keeps chunk c's activations from its F to its W, and :func:`v_chunk_counts`
   lists the (chunk 0, chunk 1) counts its order reaches at its peaks (2P
   chunks in all once full: P whole stages' worth for equal chunks, 1F1B's
   peak on its first stage). Each boundary carries both chunks' messages; the
   tied embedding and head share rank 0 (summed there, no sync across ranks,
-  each chunk keeping its own copy). Both closed forms equal the simulator's
-  numbers for every P <= 6 and M <= 13 (``tests/test_partitioner_schedules.py``).
+  each chunk keeping its own copy). The makespan and the counts equal the
+  simulator's for every P <= 6 and M <= 13 (``tests/test_partitioner_schedules.py``).
 
 Interleaved 1F1B is not modelled: its virtual stages need a split of
 ``P x num_chunks`` ranges with a different pacing, which the split search
@@ -129,17 +129,12 @@ def v_chunk_counts(num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, .
 
 
 def weight_credit(schedule: str, num_stages: int, num_microbatches: int) -> float:
-    """kappa in ``p_k = t_k - 2 kappa w_k`` (k > 0): 1 for zb_h1 with M >= P,
-    0 for 1f1b and gpipe; for zb_v with equal chunks (5/4 with M >= 2P - 1),
-    which the planner does not assume (it simulates a V: v_split)."""
+    """kappa in ``p_k = t_k - 2 kappa w_k`` (k > 0) of the contiguous schedules:
+    1 for zb_h1 with M >= P, 0 for 1f1b and gpipe (zb_v is simulated: v_split)."""
     P, M = num_stages, num_microbatches
-    if P == 1:
+    if P == 1 or schedule != "zb_h1":
         return 0.0
-    if schedule == "zb_h1":
-        return (P - 2 + min(M, P)) / (2 * (P - 1))
-    if schedule == "zb_v":
-        return (6 - max(1.0, (4 * P - 2 - 2 * M) / (P - 1))) / 4
-    return 0.0
+    return (P - 2 + min(M, P)) / (2 * (P - 1))
 
 
 # The largest weight_credit of each schedule, for the search's lower bounds.
