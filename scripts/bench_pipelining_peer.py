@@ -59,6 +59,10 @@ summary line over the steps after ``--warmup``, and ``--out`` as
 out-of-memory on either rank is a result (``"status": "oom"``, with the rank,
 step and message), not a crash.
 
+The options and the split are ``scripts/peer_options.py``, the stage modules
+and gradient handling ``scripts/peer_stages.py``; this file spawns the ranks,
+runs one rank's steps and writes the result.
+
 Example (2 GPUs)::
 
     python scripts/bench_pipelining_peer.py --model llama8b --layers 17,15 \\
@@ -68,7 +72,6 @@ Example (2 GPUs)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import os
@@ -83,290 +86,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.distributed import pipelining
-from torch import nn
 
 from hetpipe.data import MicrobatchLoader, demo_corpus
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
-from hetpipe.models.layers import rope_cos_sin
-from hetpipe.models.model_config import model_preset
-from hetpipe.errors import ConfigError
-from hetpipe.partitioner.plan import Plan, StagePlan, even_split, v_layers
-from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.trainer import build_optimizer, lr_at, seed_everything
 
-# --schedule -> torch.distributed.pipelining class.
-SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
-             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-# The multi-stage runtime's classes, which take a list of this rank's stages.
-MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"}
-# Two stage modules per rank in a V: rank r holds stages r and 3 - r.
-V_SHAPED = {"zbv", "dualpipev"}
-NUM_RANKS = 2
+# Its options and stage modules sit beside this script (sys.path[0] when run as a script).
+from peer_options import (  # noqa: E402
+    MULTI_STAGE, NUM_RANKS, SCHEDULES, local_stages, make_plan, model_config, num_stages, optimizer_config,
+    parse_args)
+from peer_stages import PeerStage, clip_global_norm, make_loss_fn, sync_tied, warm_up  # noqa: E402
+
 GIB = 2**30
-
-
-# --------------------------------------------------------------------------- options
-
-def _value(text: str) -> Any:
-    """A command-line value as hydra would read it: bool, null, int, float, else string."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("null", "none", "~"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _parse_assignments(items: list[str], what: str) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"bench_pipelining_peer: {what} wants key=value, got {item!r}")
-        out[key.strip()] = _value(value)
-    return out
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model preset (configs/model/NAME.yaml)")
-    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="model field overrides, e.g. --set num_layers=8 hidden_size=2048")
-    p.add_argument("--layers", default=None,
-                   help="decoder layers of stage 0,1, e.g. 17,15 (default: an even split); zbv and dualpipev: "
-                        "of stages 0..3, or per rank as 17,15 (halved into the V)")
-    p.add_argument("--seq-length", type=int, default=8192)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=32, help="microbatches per step")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps (also the LR schedule's length)")
-    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the summary")
-    p.add_argument("--data", default="demo", help="Megatron data prefix, or demo")
-    p.add_argument("--tokenizer", default="byte")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--opt", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="OptimizerConfig overrides, e.g. --opt lr=3e-4 clip_grad=0 lr_warmup_iters=5")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES),
-                   help="torch.distributed.pipelining schedule (zbv and dualpipev: two stage modules per rank)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    p.add_argument("--bf16-weights", action="store_true",
-                   help="bf16 parameters (no autocast) instead of fp32 master weights + bf16 autocast")
-    p.add_argument("--head-in-loss", action="store_true",
-                   help="compute the head's projection + CE inside loss_fn instead of the last stage")
-    p.add_argument("--fused-ce", action="store_true",
-                   help="with --head-in-loss: hetpipe's chunked fused cross-entropy in loss_fn")
-    p.add_argument("--no-return-outputs", dest="return_outputs", action="store_false",
-                   help="step(return_outputs=False): the last stage keeps no outputs for the caller")
-    p.add_argument("--timeout-min", type=float, default=20.0, help="process-group timeout")
-    p.add_argument("--out", default=None, help="write the result JSON here")
-    args = p.parse_args(argv)
-    if args.fused_ce and not args.head_in_loss:
-        p.error("--fused-ce needs --head-in-loss (with the head inside the stage, loss_fn sees logits)")
-    if args.bf16_weights and args.device == "cpu":
-        p.error("--bf16-weights is for --device cuda")
-    for name in ("seq_length", "micro_batch_size", "microbatches", "steps"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    if not 0 <= args.warmup < args.steps:
-        p.error(f"--warmup {args.warmup} must leave at least one of the {args.steps} steps to measure")
-    if not hasattr(pipelining, SCHEDULES[args.schedule]):
-        p.error(f"this torch ({torch.__version__}) has no {SCHEDULES[args.schedule]}")
-    if args.schedule in ("interleaved_zb", "zbv", "dualpipev") and args.compile:
-        p.error(f"--schedule {args.schedule} cannot --compile: torch's input/weight backward split refuses "
-                "compiled stages")
-    stages = num_stages(args.schedule)
-    if args.microbatches < stages:
-        p.error(f"{SCHEDULES[args.schedule]} needs at least {stages} microbatches")
-    if args.schedule == "dualpipev" and args.microbatches % 2:
-        p.error("ScheduleDualPipeV needs an even number of microbatches")
-    rounds = max(1, args.microbatches // NUM_RANKS)
-    if args.schedule in ("interleaved_1f1b", "interleaved_zb") and args.microbatches % rounds:
-        p.error(f"{SCHEDULES[args.schedule]} needs the microbatches ({args.microbatches}) to be a multiple of "
-                f"its rounds ({rounds}): an even number")
-    return args
-
-
-def model_config(args: argparse.Namespace):
-    cfg = model_preset(args.model, **_parse_assignments(args.set, "--set"))
-    if args.seq_length > cfg.max_position_embeddings:
-        raise SystemExit(f"bench_pipelining_peer: --seq-length {args.seq_length} exceeds model "
-                         f"{cfg.name!r}'s max_position_embeddings={cfg.max_position_embeddings}")
-    return cfg
-
-
-def optimizer_config(args: argparse.Namespace):
-    overrides = _parse_assignments(args.opt, "--opt")
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(OptimizerConfig)}
-    if unknown:
-        raise SystemExit(f"bench_pipelining_peer: unknown optimizer fields {sorted(unknown)}")
-    return OptimizerConfig(**overrides)
-
-
-def num_stages(schedule: str) -> int:
-    """Pipeline stages of the peer's run: one per rank, two in a V."""
-    return 2 * NUM_RANKS if schedule in V_SHAPED else NUM_RANKS
-
-
-def local_stages(schedule: str, rank: int) -> list[int]:
-    """The stages rank ``rank`` holds, in chunk order."""
-    return [rank, 2 * NUM_RANKS - 1 - rank] if schedule in V_SHAPED else [rank]
-
-
-def make_plan(layers: Optional[str], num_layers: int, schedule: str = "1f1b"):
-    stages = num_stages(schedule)
-    counts = [int(x) for x in layers.split(",")] if layers else even_split(num_layers, stages)
-    if schedule in V_SHAPED and len(counts) == NUM_RANKS:
-        counts = v_layers(counts)
-    if len(counts) != stages:
-        raise SystemExit(f"bench_pipelining_peer: --layers wants {stages} counts, got {layers!r}")
-    ranks = {v: r for r in range(NUM_RANKS) for v in local_stages(schedule, r)}
-    plan = Plan(stages=[StagePlan(group="peer", ranks=[ranks[v]], layers=n) for v, n in enumerate(counts)],
-                schedule="zb_v" if schedule in V_SHAPED else "1f1b", num_chunks=2 if schedule in V_SHAPED else 1)
-    try:
-        plan.check_model(num_layers)
-    except ConfigError as exc:
-        raise SystemExit(f"bench_pipelining_peer: --layers {counts}: {exc}") from None
-    return plan
-
-
-# --------------------------------------------------------------------------- the stage
-
-def _body(chunk, x: torch.Tensor) -> torch.Tensor:
-    """The chunk's embedding and decoder layers (CausalLM.forward without the head)."""
-    x = chunk.embedding(x) if chunk.embedding is not None else x
-    if chunk.layers:
-        cos, sin = rope_cos_sin(chunk.inv_freq, x.shape[1], x.dtype)
-        for layer in chunk.layers.values():
-            x = layer(x, cos, sin)
-    return x
-
-
-class PeerStage(nn.Module):
-    """One stage for PipelineStage: our CausalLM slice, autocast around its forward.
-
-    The last stage returns the logits, or (``head_in_loss``) the hidden states
-    before the head, which ``loss_fn`` then turns into the loss.
-    """
-
-    def __init__(self, chunk, amp_device: Optional[str], head_in_loss: bool) -> None:
-        super().__init__()
-        self.chunk = chunk
-        self.amp_device = amp_device
-        self.head_in_loss = head_in_loss
-
-    # Test hook (BENCH_PEER_FAKE_OOM="rank,step"): raise an out-of-memory error
-    # in this stage's forward at that step, to exercise the OOM report on a CPU.
-    fake_oom_step: Optional[int] = None
-    step = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fake_oom_step is not None and self.step == self.fake_oom_step:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (BENCH_PEER_FAKE_OOM)")
-        with torch.autocast(self.amp_device or "cpu", dtype=torch.bfloat16, enabled=self.amp_device is not None):
-            if self.chunk.is_last and self.head_in_loss:
-                return _body(self.chunk, x)
-            return self.chunk(x)  # hidden states, or the logits on the last stage
-
-
-def make_loss_fn(stage: PeerStage, fused_ce: bool):
-    head = stage.chunk.head
-    amp = stage.amp_device
-
-    def logits_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
-    def head_loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(amp or "cpu", dtype=torch.bfloat16, enabled=amp is not None):
-            if fused_ce:
-                return head(hidden, target)
-            return F.cross_entropy(head.logits(hidden).float().flatten(0, 1), target.flatten())
-
-    if head is None:
-        return logits_loss  # never called off the last stage; it only marks the schedule as training
-    return head_loss if stage.head_in_loss else logits_loss
-
-
-def _meta_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(requires_grad)
-
-
-def warm_up(module: PeerStage, loss_fn, first: bool, opts: argparse.Namespace, cfg, device: torch.device,
-            act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One local forward + backward of this stage (no communication), then the
-    gradients are dropped. It loads every CUDA kernel (and compiles the layers)
-    before the first receive is posted: a lazy kernel load while an NCCL
-    receive spins can deadlock the first step (see PipelineEngine.warm_up).
-    It also yields the stage's input/output tensor metadata for PipelineStage."""
-    shape = (opts.micro_batch_size, opts.seq_length)
-    if first:
-        x = torch.zeros(shape, dtype=torch.long, device=device)
-    else:
-        x = torch.zeros(*shape, cfg.hidden_size, dtype=act_dtype, device=device, requires_grad=True)
-    out = module(x)
-    if module.chunk.is_last:
-        loss_fn(out, torch.zeros(shape, dtype=torch.long, device=device)).backward()
-    else:
-        out.backward(torch.zeros_like(out))
-    for p in module.parameters():
-        p.grad = None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return _meta_like(x, not first), _meta_like(out, not module.chunk.is_last)
-
-
-# --------------------------------------------------------------------------- gradients
-
-def _tied_copies(chunks) -> list[torch.Tensor]:
-    """This rank's copies of a tied embedding/head weight, each held by a chunk
-    without the other (two in a V, where rank 0 holds both ends)."""
-    if not chunks[0].cfg.share_embeddings_and_output_weights:
-        return []
-    return ([c.embedding.weight for c in chunks if c.embedding is not None and c.head is None]
-            + [c.head.output.weight for c in chunks if c.head is not None and c.embedding is None])
-
-
-def sync_tied(chunks) -> None:
-    """Sum a tied weight's two gradients: locally when both copies are here,
-    else over the two ranks (both then hold one)."""
-    copies = [w for w in _tied_copies(chunks) if w.grad is not None]
-    if len(copies) == 2:
-        total = copies[0].grad + copies[1].grad
-        for w in copies:
-            w.grad.copy_(total)
-    elif len(copies) == 1:
-        dist.all_reduce(copies[0].grad)
-
-
-def clip_global_norm(chunks, max_norm: float, device: torch.device) -> torch.Tensor:
-    """Global gradient norm over both ranks (a tied head copy counted once);
-    scales the gradients when ``max_norm`` > 0. Returns the norm (on ``device``)."""
-    heads = {id(c.head.output.weight) for c in chunks if c.head is not None}
-    skip = {id(w) for w in _tied_copies(chunks) if id(w) in heads}  # the embedding's copy is counted
-    params = [p for c in chunks for p in c.parameters()]
-    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
-    if grads:
-        norms = torch._foreach_norm(grads)
-        sq = torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1)
-    else:
-        sq = torch.zeros(1, device=device)
-    dist.all_reduce(sq)
-    total = sq.sqrt()[0]
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        all_grads = [p.grad for p in params if p.grad is not None]
-        if all_grads:
-            torch._foreach_mul_(all_grads, coef.to(all_grads[0].dtype))
-    return total
 
 
 # --------------------------------------------------------------------------- one rank
@@ -605,7 +338,7 @@ def summarise(opts: argparse.Namespace, cfg, plan, records: list[dict], oom: Opt
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    opts = parse_args(argv)
+    opts = parse_args(argv, __doc__.split("\n\n")[0])
     cfg = model_config(opts)
     optimizer_config(opts)
     plan = make_plan(opts.layers, cfg.num_layers, opts.schedule)

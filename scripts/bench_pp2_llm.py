@@ -69,8 +69,8 @@ from hetpipe.partitioner.solver import solve
 from hetpipe.pretrain_config import resolve
 from hetpipe.schedules import SCHEDULES
 
-# The peer script sits beside this one (sys.path[0] when run as a script).
-from bench_pipelining_peer import SCHEDULES as PEER_SCHEDULES  # noqa: E402
+# The peer's options sit beside this script (sys.path[0] when run as a script).
+from peer_options import SCHEDULES as PEER_SCHEDULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
