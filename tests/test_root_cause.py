@@ -101,3 +101,24 @@ def test_oom_evidence_is_the_rise_of_the_cgroups_oom_kill_count(tmp_path):
     assert killed.describe(counters.evidence()) == (
         "rank 1 (pid 4242) was killed by SIGKILL, probably by the kernel's out-of-memory killer (the oom_kill "
         "count of memory cgroup /job.slice/rank1 (memory.events) rose from 0 to 1)")
+
+
+def test_a_lost_connection_posted_first_yields_to_the_signal_death_behind_it():
+    # When a peer's "connection lost" stands before the watch posted the SIGKILL
+    # that caused it (a starved watch on a busy machine), the death is the cause.
+    from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER
+    from hetpipe.exit_cause import Ending
+    from hetpipe.launch_agent import Cause, root_cause
+
+    lost = Cause("connection to stage 1 (group amd, amd, rank 1) lost: the peer closed the connection",
+                 EXIT_LOST_PEER, printed=True)
+    killed = Ending(rank=1, pid=4242, signal=9)
+    cause = root_cause(lost, killed)
+    assert (cause.reason, cause.code, cause.printed) == ("rank 1 (pid 4242) was killed by SIGKILL", EXIT_CRASH, False)
+    # Any other standing verdict stays: an exception a rank posted, or a lost
+    # connection behind a rank the launcher itself stopped (SIGTERM).
+    raised = Cause("rank 1 failed: RuntimeError: boom (traceback on its node)", EXIT_CRASH, printed=True)
+    assert root_cause(raised, killed) is raised
+    assert root_cause(lost, Ending(rank=1, pid=4242, signal=15)) is lost
+    assert root_cause(lost, Ending(rank=1, pid=4242, status=3)) is lost
+    assert root_cause(None, killed, node="node 1 of 2: ").reason == "node 1 of 2: rank 1 (pid 4242) was killed by SIGKILL"
