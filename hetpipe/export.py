@@ -23,6 +23,7 @@ from hetpipe.checkpoint.names import whole_model_shapes
 from hetpipe.errors import run_cli
 from hetpipe.models import ModelConfig
 from hetpipe.models.hf import to_hf_config, to_hf_state_dict
+from hetpipe.torch_compat import require_supported_torch
 
 EXPORTED_FILES = ("config.json", "model.safetensors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,6 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
 
     def _run() -> None:
+        require_supported_torch()
         source = resolve_checkpoint(args.checkpoint)
         out = export_hf(source, args.out_dir, args.dtype)
         print(f"hetpipe: exported {source} to {out} ({args.dtype})")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hetpipe.models import CausalLM, ModelConfig
 from hetpipe.parallel.tp_shards import tp_sq_norm_share
+from hetpipe.torch_compat import foreach_mul_, foreach_norm
 
 
 def global_parameter_order(cfg: ModelConfig) -> dict[str, int]:
@@ -86,7 +87,7 @@ class GradNormClipper:
             return []
         if not self.sharded:
             # fp32 norms also of bf16 gradients (train.precision=bf16-pure).
-            return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+            return foreach_norm(grads, dtype=torch.float32)
         return [tp_sq_norm_share(p, g).sqrt() for p, g in zip(self.params, grads)]
 
     def clip(self, max_norm: float, extra: Optional[torch.Tensor] = None,
@@ -136,7 +137,7 @@ class GradNormClipper:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             grads_all = [p.grad for p in self.all_params if p.grad is not None]
             if grads_all:
-                torch._foreach_mul_(grads_all, coef.to(grads_all[0].device))
+                foreach_mul_(grads_all, coef.to(grads_all[0].device))
         return ClipResult(total.detach(), summed_extra[0], sides)
 
 

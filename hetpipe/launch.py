@@ -193,6 +193,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from torch.distributed.run import parse_args, run
 
     from hetpipe.launch_agent import HANDLED_SIGNALS, agent_run
+    from hetpipe.torch_compat import require_supported_torch
+
+    require_supported_torch()
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     # SIGUSR1/SIGUSR2 too (train.preemption_signals): unhandled, either would

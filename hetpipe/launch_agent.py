@@ -55,13 +55,13 @@ from typing import Any, Callable, NamedTuple, NoReturn, Optional, TypeVar
 import torch.distributed as dist
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, error_line
 from hetpipe.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
 from hetpipe.job_watch import namespace, post_verdict, posted_verdict
+from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, rendezvous_round
 
 T = TypeVar("T")
 
@@ -96,85 +96,67 @@ class Cause(NamedTuple):
     printed: bool = False
 
 
-class HetpipeAgent(LocalElasticAgent):
+class HetpipeAgent(AgentHooks):
     """torch's local elastic agent, reporting the job's root cause (see the module)."""
 
     def __init__(self, *args: Any, node: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.node = node  # "node 1 of 2: " under torchrun on several nodes, else ""
         self.attempt = 0
-        self._first_round: Optional[int] = None
-        self._dir = Path(tempfile.mkdtemp(prefix="hetpipe-launch-"))
-        self._watch: Optional[_WorkerWatch] = None
-        self._failed: Optional[RunResult] = None
+        self.first_round: Optional[int] = None
+        self.launch_dir = Path(tempfile.mkdtemp(prefix="hetpipe-launch-"))
+        self.watch: Optional[_WorkerWatch] = None
+        self.failed: Optional[RunResult] = None
 
     @property
     def preempt_dir(self) -> Path:
-        return self._dir / f"attempt{self.attempt}"
+        return self.launch_dir / f"attempt{self.attempt}"
 
-    # -- torch's hooks -----------------------------------------------------------
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
-        # The round is private to torch's c10d rendezvous handler; another
-        # handler counts attempts by this agent's restarts.
-        state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
-        round_ = getattr(state, "round", None)
-        if round_ is None:
-            self.attempt = worker_group.spec.max_restarts - self._remaining_restarts
+    # -- the hooks of torch's agent (hetpipe.torch_compat.AgentHooks) ----------------------
+    def after_rendezvous(self, worker_group: WorkerGroup) -> None:
+        round_ = rendezvous_round(worker_group.spec.rdzv_handler)
+        if round_ is None:  # another handler than c10d's: count attempts by this agent's restarts
+            self.attempt = worker_group.spec.max_restarts - self.remaining_restarts
         else:
-            if self._first_round is None:
-                self._first_round = round_
-            self.attempt = round_ - self._first_round
+            if self.first_round is None:
+                self.first_round = round_
+            self.attempt = round_ - self.first_round
 
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+    def worker_env(self) -> dict[str, str]:
         self.preempt_dir.mkdir(exist_ok=True)
-        env = {ATTEMPT_ENV: str(self.attempt), PREEMPT_DIR_ENV: str(self.preempt_dir)}
-        # torch builds each worker's environment from this process's (both start methods).
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
-            pids = super()._start_workers(worker_group)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-        ranks = {pid: worker_group.workers[local].global_rank for local, pid in pids.items()}
-        self._watch = _WorkerWatch(self, ranks, worker_group.master_addr, worker_group.master_port, self.attempt)
-        self._watch.start()
-        return pids
+        return {ATTEMPT_ENV: str(self.attempt), PREEMPT_DIR_ENV: str(self.preempt_dir)}
 
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        result = super()._monitor_workers(worker_group)
+    def after_start(self, worker_group: WorkerGroup, pids: dict[int, Any]) -> None:
+        ranks = {pid: worker_group.workers[local].global_rank for local, pid in pids.items()}
+        self.watch = _WorkerWatch(self, ranks, worker_group.master_addr, worker_group.master_port, self.attempt)
+        self.watch.start()
+
+    def after_monitor(self, worker_group: WorkerGroup, result: RunResult) -> None:
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            self._failed = result
-            if self._watch is not None:
+            self.failed = result
+            if self.watch is not None:
                 # The agent may have reaped the first rank to die before the
                 # watch's next poll, on a busy machine: its cause is posted from here.
-                self._watch.settle(result.failures)
-        return result
+                self.watch.settle(result.failures)
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+    def before_restart(self, worker_group: WorkerGroup) -> None:
         spec = worker_group.spec
-        if self._failed is not None:
-            cause = self._cause(self._failed).reason
-            restart = spec.max_restarts - self._remaining_restarts
+        if self.failed is not None:
+            cause = self.cause(self.failed).reason
+            restart = spec.max_restarts - self.remaining_restarts
             # The cause names its node already (it may be another node's).
             _say(f"hetpipe: {cause}; restarting the job (restart {restart} of {spec.max_restarts})")
         else:  # torch restarts a healthy node when another node's agent rejoins the rendezvous
             _say(f"hetpipe: {self.node}another node is restarting the job; restarting this node's ranks with it")
-        self._failed = None
-        super()._restart_workers(worker_group)
+        self.failed = None
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        self._end_watch()  # the ranks this ends are no news
-        super()._shutdown(death_sig, timeout)
+    def before_shutdown(self) -> None:
+        self.end_watch()  # the ranks this ends are no news
 
     # -- the end of a launch -------------------------------------------------------
     def report_failure(self, exc: ChildFailedError) -> NoReturn:
         """The job failed and no restart is left: the cause's line unless printed, and its status."""
-        cause = self._cause(self._failed or RunResult(state=WorkerState.FAILED, failures=exc.failures))
+        cause = self.cause(self.failed or RunResult(state=WorkerState.FAILED, failures=exc.failures))
         if not cause.printed:
             error_line(cause.reason)
         raise SystemExit(cause.code)
@@ -182,8 +164,8 @@ class HetpipeAgent(LocalElasticAgent):
     def report_signal(self, sig: signal.Signals) -> NoReturn:
         """The launcher got ``sig`` and torch's agent stopped the ranks: 0 if every local
         rank saved on it (its preemption marker), else ``128 + sig``."""
-        ranks = sorted(w.global_rank for w in self._worker_group.workers)
-        markers = [self.preempt_dir / f"rank{r}.json" for r in ranks] if self._watch is not None else []
+        ranks = sorted(w.global_rank for w in self.worker_group.workers)
+        markers = [self.preempt_dir / f"rank{r}.json" for r in ranks] if self.watch is not None else []
         missing = [r for r, marker in zip(ranks, markers) if not marker.is_file()]
         if markers and not missing:
             if 0 not in ranks:  # rank 0 says it for the job; another node says it for its own ranks
@@ -197,19 +179,19 @@ class HetpipeAgent(LocalElasticAgent):
         raise SystemExit(128 + sig.value)
 
     def close(self) -> None:
-        self._end_watch()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self.end_watch()
+        shutil.rmtree(self.launch_dir, ignore_errors=True)
 
     # -- the cause -------------------------------------------------------------------
-    def _cause(self, result: RunResult) -> Cause:
+    def cause(self, result: RunResult) -> Cause:
         """The failed attempt's cause, its exit status, and whether a line already said it."""
-        watch = self._watch
+        watch = self.watch
         standing = None if watch is None else watch.verdict or watch.read_verdict()
         return root_cause(standing, _first_failure(result.failures), self.node, result.state.name)
 
-    def _end_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
+    def end_watch(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
 
 
 class _WorkerWatch(threading.Thread):
@@ -278,7 +260,7 @@ class _WorkerWatch(threading.Thread):
             # to it (a transport that does not wait for a better cause): this is the cause.
             self.verdict = Cause(standing.reason, standing.code, printed=True)
             return
-        last_attempt = self._agent._remaining_restarts == 0
+        last_attempt = self._agent.remaining_restarts == 0
         if last_attempt:
             error_line(reason)  # first: the other ranks print it after their wait for a cause
         self.verdict = Cause(reason, EXIT_CRASH, printed=last_attempt)
@@ -360,6 +342,7 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         agents.append(agent)
         return agent
 
+    agent_can_set_shutdown_timeout()  # one line where this torch ignores the timeout asked for
     original = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
     try:

@@ -219,6 +219,9 @@ def main(cfg: DictConfig) -> None:
     def _run() -> None:
         resolved = resolve_plan_config(cfg)
         if resolved.mode == "profile":
+            from hetpipe.torch_compat import require_supported_torch
+
+            require_supported_torch()
             run_profile(resolved)
         else:
             run_plan(resolved)

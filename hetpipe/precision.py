@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetpipe.errors import ConfigError
+from hetpipe.torch_compat import foreach_copy_, own_parameters, run_post_accumulate_grad_hooks
 
 PRECISIONS = ("auto", "bf16", "bf16-pure", "bf16-autocast", "fp32")
 
@@ -151,10 +152,7 @@ def accumulate_main_grad(main: nn.Parameter, grad_out: torch.Tensor, inputs: tor
     if main.grad is None:
         main.grad = torch.zeros_like(main)
     accumulate_kernel(main.device.type)(main.grad, grad_out.t(), inputs)
-    hooks = getattr(main, "_post_accumulate_grad_hooks", None)
-    if hooks:
-        for hook in list(hooks.values()):
-            hook(main)
+    run_post_accumulate_grad_hooks(main)
 
 
 # While a zero-bubble schedule's B runs (hetpipe.models.split_backward), the
@@ -236,7 +234,7 @@ class Bf16Weights:
                 fused_ids = {id(m.weight) for m, _ in fused}
                 slots = []
                 for module in chunk.modules():
-                    for name, p in module._parameters.items():
+                    for name, p in own_parameters(module).items():
                         if p is None or not p.is_floating_point():
                             continue
                         if id(p) not in self._copies:
@@ -262,7 +260,7 @@ class Bf16Weights:
             return
         params = [p.detach() for p, _ in self._copies.values()]
         copies = [w.detach() for _, w in self._copies.values()]
-        torch._foreach_copy_(copies, params)
+        foreach_copy_(copies, params)
 
     @contextlib.contextmanager
     def swap(self, chunk: int) -> Iterator[None]:
@@ -270,8 +268,9 @@ class Bf16Weights:
         saved, patched = [], []
         try:
             for module, name, w in self._slots[chunk]:
-                saved.append((module, name, module._parameters[name]))
-                module._parameters[name] = w  # bypasses __setattr__'s Parameter check on purpose
+                slots = own_parameters(module)
+                saved.append((module, name, slots[name]))
+                slots[name] = w  # bypasses __setattr__'s Parameter check on purpose
             for module, forward in self._fused[chunk]:
                 module.forward = forward
                 patched.append(module)
@@ -280,7 +279,7 @@ class Bf16Weights:
             for module in patched:
                 del module.forward  # the instance attribute; nn.Linear.forward again
             for module, name, p in reversed(saved):
-                module._parameters[name] = p
+                own_parameters(module)[name] = p
 
 
 def compute_context(mode: str, device_type: str, weights: Optional[Bf16Weights], chunk: int):

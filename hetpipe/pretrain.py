@@ -23,7 +23,12 @@ register_configs()
 @hydra.main(version_base=None, config_path="pkg://hetpipe.configs", config_name="pretrain")
 def main(cfg: DictConfig) -> None:
     def _run() -> None:
-        from hetpipe.trainer import train  # torch and friends load only for a real run
+        from hetpipe.torch_compat import require_supported_torch  # torch loads only for a real run
+        from hetpipe.launch import under_torchrun
+
+        if not under_torchrun():  # hetpipe.launch checked this node's torch already
+            require_supported_torch()
+        from hetpipe.trainer import train
 
         train(resolve(cfg), Path(HydraConfig.get().runtime.output_dir))
 

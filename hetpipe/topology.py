@@ -37,6 +37,7 @@ from hetpipe.job_secret import require_job_secret
 from hetpipe.job_watch import JobWatch, namespace
 from hetpipe.nodes import NodeMap, roll_call
 from hetpipe.partitioner.plan import Plan
+from hetpipe.torch_compat import set_gemm_sm_carveout
 
 
 def launched_multi_node(cluster: ClusterConfig) -> bool:
@@ -282,7 +283,8 @@ class Topology:
         if carveout >= sms:
             raise ConfigError(f"cluster.transport.gemm_sm_carveout={carveout} leaves no SMs of this GPU's "
                               f"{sms} to the GEMMs")
-        torch._C._set_sm_carveout_experimental(carveout)
+        if not set_gemm_sm_carveout(carveout):
+            return 0
         torch.backends.cuda.preferred_blas_library("cublaslt")
         return carveout
 

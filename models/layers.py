@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
+from hetpipe.torch_compat import triton_available
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -315,6 +316,4 @@ def fuses_elementwise(setting: Optional[bool], device_type: str, compiled: bool,
 
 
 def _has_triton() -> bool:
-    from torch.utils._triton import has_triton
-
-    return has_triton()
+    return triton_available()

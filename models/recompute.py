@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.layers import Attention, DecoderLayer
+from hetpipe.torch_compat import own_parameters
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -115,12 +116,12 @@ def _full_recompute_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Ten
 
 
 def _state(layer: nn.Module) -> _ModuleState:
-    return [(m, dict(m._parameters), m.__dict__.get("forward")) for m in layer.modules()]
+    return [(m, dict(own_parameters(m)), m.__dict__.get("forward")) for m in layer.modules()]
 
 
 def _install(state: _ModuleState) -> None:
     for module, params, forward in state:
-        module._parameters.update(params)  # as Bf16Weights.swap does: no Parameter check
+        own_parameters(module).update(params)  # as Bf16Weights.swap does: no Parameter check
         if forward is None:
             module.__dict__.pop("forward", None)
         else:

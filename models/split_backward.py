@@ -46,12 +46,12 @@ import contextlib
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch._functorch.config  # donated_buffer: no public switch exists
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from hetpipe.precision import deferring_main_grads
+from hetpipe.torch_compat import disable_donated_buffers
 
 
 class WeightBackward:
@@ -96,7 +96,7 @@ def allow_retained_graphs() -> None:
     --variants fused,fused+split`` on one H100 (LLaMA-3-8B layers, seq 8192):
     B+W 14.53 ms against 14.63 ms for the fused backward, peak memory 15.5
     against 13.1 GiB for 4 layers x 4 microbatches (docs/benchmarks.md)."""
-    torch._functorch.config.donated_buffer = False
+    disable_donated_buffers()
 
 
 def backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor],

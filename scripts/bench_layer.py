@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch._functorch.config  # donated_buffer, for the split variants
 
 from hetpipe.models import build_model
 from hetpipe.models.model_config import model_preset
@@ -68,6 +67,7 @@ from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
 from hetpipe.models.split_backward import backward_input
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
 from hetpipe.precision import Bf16Weights, compute_context
+from hetpipe.torch_compat import compiled_graph_count, donated_buffers_off, reset_compiler
 from hetpipe.profiling import profile_step
 
 VARIANTS = ("eager", "fused", "compile")
@@ -141,11 +141,8 @@ class Stamps:
 
 
 def run_variant(args, cfg, variant: str, device: torch.device) -> dict:
-    import torch._dynamo
-
     cuda = device.type == "cuda"
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # graphs are counted per variant
+    reset_compiler()  # graphs are counted per variant
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     kind, backend, chunk_tokens, recompute, split = split_variant(variant)
@@ -223,7 +220,7 @@ def run_variant(args, cfg, variant: str, device: torch.device) -> dict:
         report = Path(args.profile) / "profile_rank0.txt"
         report.rename(report.with_name(f"profile_{variant}.txt"))
     phases = time_split(args, forward, x, grad_y, weights, sync, cuda, per_unit) if split else None
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = compiled_graph_count()
     result = {"variant": variant, "first_s": first_s, "ms_per_layer": ms,
               "tflops": (head_flops if head else layer_flops)(cfg, args.seq_length) / (ms * 1e-3) / 1e12,
               "kept_mib": kept_mib, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -299,7 +296,7 @@ def main() -> None:
         # B keeps the graph for W (retain_graph), which compiled backwards
         # refuse when they reuse ("donate") saved buffers; the split variant's
         # fused-backward timings run under the same setting, so the two compare.
-        donation = (torch._functorch.config.patch(donated_buffer=False) if split_variant(variant)[4]
+        donation = (donated_buffers_off() if split_variant(variant)[4]
                     else contextlib.nullcontext())
         with donation:
             rows.append(run_variant(args, cfg, variant, device))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetpipe.models.layers import rope_cos_sin
+from hetpipe.torch_compat import foreach_mul_, foreach_norm
 
 
 # --------------------------------------------------------------------------- the stage
@@ -137,7 +138,7 @@ def clip_global_norm(chunks, max_norm: float, device: torch.device) -> torch.Ten
     params = [p for c in chunks for p in c.parameters()]
     grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     if grads:
-        norms = torch._foreach_norm(grads)
+        norms = foreach_norm(grads)
         sq = torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1)
     else:
         sq = torch.zeros(1, device=device)
@@ -147,5 +148,5 @@ def clip_global_norm(chunks, max_norm: float, device: torch.device) -> torch.Ten
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         all_grads = [p.grad for p in params if p.grad is not None]
         if all_grads:
-            torch._foreach_mul_(all_grads, coef.to(all_grads[0].dtype))
+            foreach_mul_(all_grads, coef.to(all_grads[0].dtype))
     return total

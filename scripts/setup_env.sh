@@ -2,7 +2,9 @@
 # Creates (once) and refreshes the project's virtual environment in .venv:
 # torch, then hetpipe in editable mode with its test extras. Re-runs the
 # install only when pyproject.toml changed since the last one.
-# Override the interpreter with PYTHON=..., the torch requirement with
+# Override the interpreter with PYTHON=..., the environment's folder with
+# HETPIPE_VENV=... (default .venv; scripts/torch_matrix.sh makes one per torch
+# release), the torch requirement with
 # HETPIPE_TORCH=... (default: the CPU-friendly pin torch==2.13.0; on a GPU
 # machine give the build that matches its CUDA or ROCm), and Mooncake's
 # transfer engine (the mooncake movers) with HETPIPE_MOONCAKE=... : the extra
@@ -12,7 +14,7 @@
 # apt-get where it runs as root, and otherwise says what to install.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-venv="$root/.venv"
+venv=${HETPIPE_VENV:-$root/.venv}
 python=${PYTHON:-python3}
 torch_req=${HETPIPE_TORCH:-torch==2.13.0}
 mooncake=${HETPIPE_MOONCAKE:-mooncake}

@@ -24,6 +24,7 @@ def reference(tmp_path_factory, corpus_prefix):
     return _losses(tmp_path_factory.mktemp("ref"), "ref", corpus_prefix, "train.train_iters=8")[0]
 
 
+@pytest.mark.torch_matrix
 def test_resume_continues_bitwise(tmp_path, corpus_prefix, reference):
     ckpt = tmp_path / "ckpt"
     first, _ = _losses(tmp_path, "a", corpus_prefix, "train.train_iters=4",
@@ -35,6 +36,7 @@ def test_resume_continues_bitwise(tmp_path, corpus_prefix, reference):
     assert {**first, **second} == reference
 
 
+@pytest.mark.torch_matrix
 def test_reshard_to_another_split_and_export(tmp_path, corpus_prefix, reference):
     ckpt = tmp_path / "ckpt"
     _losses(tmp_path, "a", corpus_prefix, "cluster=cpu_mixed", "partition.layers=[2,2]",

@@ -65,6 +65,7 @@ def steps(run_dir: Path) -> list[int]:
     return [row["step"] for row in rows if "loss" in row]
 
 
+@pytest.mark.torch_matrix
 def test_a_killed_rank_restarts_the_job_which_then_completes(tmp_path):
     run = tmp_path / "run"
     code, out, err = finish(start(run, "train.train_iters=4", "train.max_restarts=1", "checkpoint.save_interval=2",
@@ -100,6 +101,7 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, count: int, timeout: f
         time.sleep(0.1)
 
 
+@pytest.mark.torch_matrix
 @pytest.mark.parametrize("sig, overrides", [
     (signal.SIGTERM, []),
     (signal.SIGUSR1, ["train.preemption_signals=[SIGTERM,SIGUSR1]"]),

@@ -35,6 +35,7 @@ def reference_8_layers(tmp_path_factory, corpus_prefix):
     return _train(tmp_path_factory.mktemp("ref8"), "single8", corpus_prefix, "model.num_layers=8")
 
 
+@pytest.mark.torch_matrix
 @pytest.mark.parametrize("transport", ["tcp", "gloo", "direct"])
 def test_pp2_across_vendors_is_bitwise_single_process(tmp_path, corpus_prefix, reference, transport):
     got = _train(tmp_path, transport, corpus_prefix, "cluster=cpu_mixed",

@@ -28,6 +28,7 @@ MIB = 1 << 20
 STEPS = 3
 
 
+@pytest.mark.torch_matrix
 def test_per_node_launchers_train_bitwise_like_one_process_over_two_striped_nics(tmp_path, emulated_nodes,
                                                                                  corpus_prefix):
     nics = [(node, nic) for node in emulated_nodes.nodes for nic in ("eth1", "eth2")]
