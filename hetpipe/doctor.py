@@ -1,9 +1,8 @@
 """``python -m hetpipe.doctor cluster=NAME [+model=NAME] [overrides]``: can a job start on these nodes?
 
-A mixed cluster fails late and far from the cause: a torch minor version that
-differs between the CUDA and the ROCm node breaks the gloo world group in its
-handshake, a NIC name that one node's image lacks surfaces as a connect
-timeout minutes in, data that differs between the node feeding the inputs
+A mixed cluster fails late and far from the cause: a torch release hetpipe
+does not support on one node, a NIC name that one node's image lacks
+surfaces as a connect timeout minutes in, data that differs between the node feeding the inputs
 and the node computing the loss trains on garbage without any error. The
 doctor finds these before the job starts. Give it the job's own command line
 (the same config groups and schema as ``hetpipe.pretrain``) and run it on
@@ -20,7 +19,9 @@ without torchrun to check this node alone. It prints a table of this node
 (host, torch build, GPUs, NICs and the ones the config selects, RDMA devices,
 whether GPU memory can be registered for RDMA - facts read from sysfs, not
 verified on RDMA hardware) and, under torchrun, compares the nodes through the
-rendezvous store: hetpipe version, torch major.minor, config hash (the
+rendezvous store: hetpipe version, each node's torch build (one line each:
+any supported release, CUDA or ROCm, on any node - doctor_report.torch_lines
+says from what evidence), config hash (the
 resolved config minus the fields that may differ per node: NIC addresses and
 interface names, data and tokenizer paths), data and tokenizer checksums, and
 for every ordered pair of nodes and each selected NIC a TCP connect to the
@@ -56,7 +57,7 @@ from hetpipe.comm.nics import Nic
 from hetpipe.doctor_config import DoctorConfig, DoctorSettings, register_doctor_config
 from hetpipe.doctor_facts import fact_sheet
 from hetpipe.doctor_probe import ProbeServer, describe_os_error, probe_peers
-from hetpipe.doctor_report import blockers_of, format_cluster, format_node, multi_node_job, warnings_of
+from hetpipe.doctor_report import blockers_of, format_cluster, format_node, multi_node_job, torch_lines, warnings_of
 from hetpipe.errors import ConfigError, run_cli
 from hetpipe.launch import under_torchrun
 from hetpipe.pretrain_config import resolve
@@ -119,6 +120,8 @@ def run_doctor(cfg: DoctorConfig, raw: DictConfig) -> int:
     found = blockers_of(sheets, pairs, multi_node_job(cfg.cluster, sheets))
     found += [f"node {n} did not report within doctor.timeout_s={cfg.doctor.timeout_s:g} s: start the doctor on "
               "every node with the same rendezvous" for n in missing]
+    for line in torch_lines(sheets):
+        print(f"hetpipe doctor: {line}", flush=True)
     for line in warnings_of(sheets, pairs):
         print(f"hetpipe doctor: warning: {line}", flush=True)
     for line in found:
@@ -161,6 +164,8 @@ register_doctor_config()
 
 @hydra.main(version_base=None, config_path="pkg://hetpipe.configs", config_name="doctor")
 def main(cfg: DictConfig) -> None:
+    # No require_supported_torch() here: an unsupported torch is one of the
+    # doctor's blockers, reported on every node (doctor_report.blockers_of).
     code = run_cli(lambda: run_doctor(resolve(cfg, DoctorConfig), cfg))
     raise SystemExit(code)
 

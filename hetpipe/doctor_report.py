@@ -15,6 +15,7 @@ from hetpipe.cluster import ClusterConfig
 from hetpipe.comm.nics import Nic, check_dialable, socket_ifname
 from hetpipe.doctor_config import DoctorSettings
 from hetpipe.errors import ConfigError
+from hetpipe.torch_compat import range_text, torch_release, unsupported_torch
 
 
 def who(sheet: dict) -> str:
@@ -35,15 +36,14 @@ def blockers_of(sheets: dict[int, dict], pairs: list[dict], multi_node: bool) ->
             out.append(f"{who(sheet)}: {exc}")
             undialable.add(node)
         out += [f"{who(sheet)}: {b}" for b in sheet["blockers"]]
+        if unsupported_torch(sheet["torch"]) is not None:
+            out.append(f"{who(sheet)} runs torch {sheet['torch']} ({sheet['build']} build), outside the releases "
+                       f"hetpipe supports ({range_text()}): install one of them on this node")
         if ref is None or node == 0:
             continue
         if sheet["hetpipe"] != ref["hetpipe"]:
             out.append(f"{who(sheet)} runs hetpipe {sheet['hetpipe']}, {who(ref)} runs {ref['hetpipe']}: "
                        "install the same hetpipe on every node")
-        mine, theirs = _major_minor(sheet["torch"]), _major_minor(ref["torch"])
-        if mine != theirs:
-            out.append(f"{who(sheet)} runs torch {mine}, {who(ref)} runs {theirs}: install the same "
-                       "major.minor on every node (the gloo world group spans both builds)")
         if sheet["config"] != ref["config"]:
             out.append(f"{who(sheet)} composed config {sheet['config']}, {who(ref)} {ref['config']}: give every "
                        "node the same command line (only NIC addresses/interfaces and data paths may differ)")
@@ -142,9 +142,27 @@ def format_cluster(sheets: dict[int, dict], pairs: list[dict], settings: DoctorS
     return "\n".join(lines)
 
 
-def _major_minor(version: str) -> str:
-    """A torch version's major.minor ("2.13" of "2.13.0+cu128"): what must match across builds."""
-    return ".".join(version.split("+")[0].split(".")[:2])
+def torch_lines(sheets: dict[int, dict]) -> list[str]:
+    """One line per node with its torch build, and what the doctor makes of it.
+
+    The rule, from evidence: any supported release on any node. Nodes meet only
+    through c10d's store and rendezvous, the gloo world group and hetpipe's own
+    channels, none of which differs between CUDA and ROCm builds of a release
+    (the same code; a ROCm build was not at hand to try). Between releases, CI
+    runs two emulated nodes on the range's oldest and newest (either hosting
+    the store) and their losses equal a one-process run's on either release
+    bit for bit (tests/test_mixed_releases.py). A GPU kernel may differ between
+    releases, so mixed releases' GPU losses can differ from one release's in
+    the last bits."""
+    releases = {torch_release(s["torch"]) for s in sheets.values()}
+    lines = []
+    for _, sheet in sorted(sheets.items()):
+        verdict = "supported" if unsupported_torch(sheet["torch"]) is None else \
+            f"not supported (hetpipe supports {range_text()})"
+        if len(releases) > 1 and verdict == "supported":
+            verdict += "; nodes may run different supported releases"
+        lines.append(f"{who(sheet)}: torch {sheet['torch']} ({sheet['build']} build): {verdict}")
+    return lines
 
 
 def _data_digest(data: dict) -> str:

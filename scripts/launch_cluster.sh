@@ -73,12 +73,12 @@ export HETPIPE_JOB_TOKEN
 # through a rendezvous of its own on the next port (so the job's store never
 # meets the doctor's while one node is still checking). On by default;
 # HETPIPE_DOCTOR=0 skips it. A blocker stops this node with the doctor's exit
-# status.
+# status (through hetpipe.launch: its lines, not torchrun's traceback).
 if [[ "${HETPIPE_DOCTOR:-1}" != 0 ]]; then
   if [[ "$HETPIPE_NNODES" == 1 ]]; then
     "$PYTHON" -m hetpipe.doctor "$@"
   else
-    "$PYTHON" -m torch.distributed.run --nnodes "$HETPIPE_NNODES" --nproc-per-node 1 \
+    "$PYTHON" -m hetpipe.launch --nnodes "$HETPIPE_NNODES" --nproc-per-node 1 \
       --rdzv-backend c10d --rdzv-id "$HETPIPE_RDZV_ID-doctor" ${HETPIPE_LOCAL_ADDR:+--local-addr "$HETPIPE_LOCAL_ADDR"} \
       --rdzv-endpoint "${HETPIPE_RDZV_ENDPOINT%:*}:$(( ${HETPIPE_RDZV_ENDPOINT##*:} + 1 ))" \
       --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \

@@ -55,18 +55,18 @@ def plain_env() -> dict[str, str]:
 
 def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, deadline_s: float = 15.0,
                 rdzv_timeout_s: Optional[float] = None, python: Optional[dict[int, str]] = None,
-                only: Optional[Sequence[int]] = None) -> list[NodeRun]:
+                only: Optional[Sequence[int]] = None, doctor: bool = False) -> list[NodeRun]:
     """launch_cluster.sh ``args`` on every node (or the nodes ``only`` lists); node k's
     run dir is ``tmp_path/run<k>``. torchrun's rendezvous waits ``rdzv_timeout_s``
     (default: the deadline) for the other node; ``python`` replaces the
     interpreter on some nodes (PYTHON, as launch_cluster.sh reads it).
-    launch_cluster.sh's pre-flight doctor is off here: its bandwidth probes
-    would add traffic to the NIC counters these tests read, and fault tests
-    time the job alone (tests/test_doctor.py and test_scheduler_env.py run it)."""
+    launch_cluster.sh's pre-flight doctor is off unless ``doctor``: its bandwidth
+    probes would add traffic to the NIC counters these tests read, and fault
+    tests time the job alone (tests/test_doctor.py and test_scheduler_env.py run it)."""
     env = plain_env()
     env.update(PYTHONUNBUFFERED="1", HETPIPE_JOB_TOKEN=secrets.token_hex(32),
                RDZV_ENDPOINT=f"{nodes[0].addrs['eth1']}:29400",
-               HETPIPE_RDZV_TIMEOUT_S=f"{rdzv_timeout_s or deadline_s:g}", HETPIPE_DOCTOR="0")
+               HETPIPE_RDZV_TIMEOUT_S=f"{rdzv_timeout_s or deadline_s:g}", HETPIPE_DOCTOR="1" if doctor else "0")
     runs = []
     for node in nodes.nodes:
         if only is not None and node.rank not in only:

@@ -23,7 +23,7 @@ from conftest import run_cli
 from hetpipe.comm.nics import Nic
 from hetpipe.doctor_facts import config_hash, file_digest
 from hetpipe.doctor_probe import ProbeServer, probe
-from hetpipe.doctor_report import blockers_of
+from hetpipe.doctor_report import blockers_of, torch_lines
 
 JOB = ["cluster=cpu_mixed", "+model=tiny_llama", "data=demo"]
 BLOCKER = "hetpipe doctor: blocker: "
@@ -39,6 +39,7 @@ def blockers(stdout: str) -> list[str]:
 
 # ---------------------------------------------------------------- one node, no torchrun
 
+@pytest.mark.torch_matrix
 def test_a_clean_node_prints_its_table_and_exits_0(tmp_path):
     proc = doctor(JOB, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -139,20 +140,28 @@ def sheet(node: int, **changes) -> dict:
 def test_nodes_that_differ_from_node_0_are_blockers_naming_both():
     clean = {0: sheet(0), 1: sheet(1)}
     assert blockers_of(clean, [], multi_node=True) == []
-    odd = sheet(1, hetpipe="0.2.0", torch="2.12.1+rocm6.3", config="def", tokenizer={"digest": "x"},
+    odd = sheet(1, hetpipe="0.2.0", torch="2.10.1+rocm6.3", build="ROCm 6.3", config="def",
+                tokenizer={"digest": "x"},
                 data={"summary": "/e/c", "files": {"/e/c.idx": {"sha256": "i"}, "/e/c.bin": {"sha256": "B"}},
                       "missing": []},
                 nics=[{"name": "eth1", "address": "10.201.0.1"}, {"name": "eth2", "address": "10.202.0.1"}])
     assert blockers_of({0: sheet(0), 1: odd}, [], multi_node=True) == [
+        "node 1 (amd) runs torch 2.10.1+rocm6.3 (ROCm 6.3 build), outside the releases hetpipe supports (2.11 to "
+        "2.15): install one of them on this node",
         "node 1 (amd) runs hetpipe 0.2.0, node 0 (nvidia) runs 0.1.0: install the same hetpipe on every node",
-        "node 1 (amd) runs torch 2.12, node 0 (nvidia) runs 2.13: install the same major.minor on every node "
-        "(the gloo world group spans both builds)",
         "node 1 (amd) composed config def, node 0 (nvidia) abc: give every node the same command line (only NIC "
         "addresses/interfaces and data paths may differ)",
         "node 1 (amd) has other data than node 0 (nvidia) (.bin differs): put the same corpus on every node",
         "node 1 (amd) has another tokenizer than node 0 (nvidia): put the same tokenizer on every node",
         "node 1 (amd) selects 2 NICs, node 0 (nvidia) 1: select the same number on every node "
         "(cluster.transport.interfaces)"]
+    # Releases may differ between nodes (tests/test_mixed_releases.py: the evidence); one line per node.
+    rocm = sheet(1, torch="2.15.0+rocm7.1", build="ROCm 7.1")
+    assert blockers_of({0: sheet(0), 1: rocm}, [], multi_node=True) == []
+    assert torch_lines({0: sheet(0), 1: rocm}) == [
+        "node 0 (nvidia): torch 2.13.0+cu128 (CUDA 12.8 build): supported; nodes may run different supported releases",
+        "node 1 (amd): torch 2.15.0+rocm7.1 (ROCm 7.1 build): supported; nodes may run different supported releases"]
+    assert torch_lines(clean)[1] == "node 1 (amd): torch 2.13.0+cu128 (CUDA 12.8 build): supported"
     unreachable = {"src": 0, "dst": 1, "ok": False, "error": "timed out", "endpoint": ["10.201.0.1", 4000],
                    "src_nic": {"name": "eth1", "address": "10.201.0.0"}, "dst_nic": {"name": "eth1"}}
     assert blockers_of(clean, [unreachable], multi_node=True) == [
@@ -196,6 +205,7 @@ def run_nodes(args: list[list[str]], envs: list[dict[str, str]], cwd: Path, host
     return done
 
 
+@pytest.mark.torch_matrix
 def test_two_clean_nodes_compare_and_measure_each_nic_pair(tmp_path):
     nodes = run_nodes([JOB, JOB], [{}, {}], tmp_path)
     for k, proc in enumerate(nodes):
@@ -231,11 +241,10 @@ def test_a_node_takes_its_place_from_the_cluster_config_not_from_torchrun(tmp_pa
 def test_each_problem_of_an_odd_node_is_a_blocker_line_on_every_node(tmp_path):
     # Node 1 lacks the NIC it is told to use, runs another torch and, being
     # "another host", makes node 0's loopback address undialable.
-    odd = {"HETPIPE_DOCTOR_FAKE_TORCH": "2.12.0", "HETPIPE_DOCTOR_FAKE_HOST": "other"}
+    odd = {"HETPIPE_DOCTOR_FAKE_TORCH": "2.10.0", "HETPIPE_DOCTOR_FAKE_HOST": "other"}
     nodes = run_nodes([JOB, [*JOB, "cluster.transport.interfaces=[nosuch0]"]], [{}, odd], tmp_path)
     import torch
 
-    mine = ".".join(torch.__version__.split(".")[:2])
     for proc in nodes:
         assert proc.returncode != 0, proc.stdout
         found = blockers(proc.stdout)
@@ -245,8 +254,12 @@ def test_each_problem_of_an_odd_node_is_a_blocker_line_on_every_node(tmp_path):
                             "cluster.transport.subnets=[CIDR,...]")
         assert found[1].startswith("node 1 (amd): cluster.transport.interfaces names interface nosuch0 that this "
                                    "node lacks (it has lo 127.0.0.1")
-        assert found[2] == (f"node 1 (amd) runs torch 2.12, node 0 (nvidia) runs {mine}: install the same "
-                            "major.minor on every node (the gloo world group spans both builds)")
+        assert found[2] == ("node 1 (amd) runs torch 2.10.0 (CPU build), outside the releases hetpipe supports "
+                            "(2.11 to 2.15): install one of them on this node")
+        assert (f"hetpipe doctor: node 0 (nvidia): torch {torch.__version__} (CPU build): supported; nodes may run "
+                "different supported releases") in proc.stdout
+        assert ("hetpipe doctor: node 1 (amd): torch 2.10.0 (CPU build): not supported (hetpipe supports 2.11 to "
+                "2.15)") in proc.stdout
         assert proc.stdout.rstrip().endswith("hetpipe doctor: 3 blockers")
 
 
