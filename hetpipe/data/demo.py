@@ -65,7 +65,12 @@ def demo_corpus(tokenizer_spec: str = "byte", cache_dir: str | None = None) -> s
         except DataError:
             pass  # a damaged cache entry is simply rebuilt
 
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("the demo corpus is built with the datasets package, which is not installed: "
+                        "pip install datasets, or give data.path=PREFIX of an indexed dataset "
+                        "(scripts/preprocess_data.py makes one)") from None
 
     files = stdlib_sources()
     if not files:
