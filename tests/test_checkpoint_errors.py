@@ -178,3 +178,11 @@ def test_nothing_is_unpickled(tmp_path, monkeypatch):
     model, opt = _whole()
     load_checkpoint(path, [model], opt)
     assert opt.state
+
+
+def test_a_latest_pointer_of_random_bytes_is_refused_by_name(tmp_path):
+    _save(tmp_path, step=1)
+    (tmp_path / "latest").write_bytes(bytes(range(200, 256)) * 4)
+    with pytest.raises(CheckpointError, match=r"latest holds 224 bytes that are not a checkpoint name "
+                                              r"\(iter_NNNNNNN\): remove it"):
+        latest_checkpoint(tmp_path)

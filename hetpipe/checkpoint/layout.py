@@ -109,7 +109,12 @@ def latest_checkpoint(save_dir: Path) -> Optional[Path]:
     """
     pointer = save_dir / LATEST
     if pointer.is_file():
-        name = pointer.read_text().strip()
+        try:
+            name = pointer.read_bytes().decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{pointer} holds {pointer.stat().st_size} bytes that are not a checkpoint name "
+                                  "(iter_NNNNNNN): remove it to resume from the newest complete checkpoint, or "
+                                  "write the name of one") from None
         target = save_dir / name
         if not (_COMPLETE.match(name) and (target / MANIFEST).is_file()):
             raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint in {save_dir}")
