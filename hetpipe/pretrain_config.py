@@ -156,7 +156,8 @@ class OptimizerConfig:
     distributed: bool = False
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+        # lr=0 (with min_lr=0) is a run that updates nothing: evaluation, or a check of a set-up.
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optimizer: need 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(

@@ -236,3 +236,10 @@ def test_gemms_leave_sms_to_the_nccl_boundary(monkeypatch):
     assert Topology.gemm_sm_carveout(me) == 0
     with pytest.raises(ConfigError, match="gemm_sm_carveout=-1"):
         resolve({"model": {"name": "m"}, "cluster": {"transport": {"gemm_sm_carveout": -1}}})
+
+
+def test_a_zero_learning_rate_is_a_run_that_updates_nothing():
+    opt = OptimizerConfig(lr=0.0, min_lr=0.0, lr_warmup_iters=2)
+    assert [lr_at(s, opt, 10) for s in range(10)] == [0.0] * 10
+    with pytest.raises(ConfigError, match=r"need 0 <= min_lr <= lr, got lr=0.0, min_lr=0.1"):
+        OptimizerConfig(lr=0.0, min_lr=0.1)
