@@ -162,6 +162,20 @@ def test_a_missing_sm_carveout_is_one_line_and_off(monkeypatch, capfd):
     assert err.count("hetpipe: note:") == 1 and "gemm_sm_carveout is off" in err
 
 
+def test_a_shutdown_timeout_this_torch_ignores_is_said_once(monkeypatch, capfd):
+    monkeypatch.setattr(torch_compat, "SHUTDOWN_TAKES_TIMEOUT", False)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
+    torch_compat._say_once.cache_clear()
+    assert torch_compat.agent_can_set_shutdown_timeout() is False
+    assert torch_compat.agent_can_set_shutdown_timeout() is False
+    err = capfd.readouterr().err
+    assert err.count("ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT (added in 2.13)") == 1
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    torch_compat._say_once.cache_clear()
+    torch_compat.agent_can_set_shutdown_timeout()
+    assert capfd.readouterr().err == ""
+
+
 def test_kernels_and_switches_work_on_this_torch():
     xs = [torch.randn(5, 3), torch.randn(7)]
     norms = torch_compat.foreach_norm(xs, dtype=torch.float32)
