@@ -58,7 +58,7 @@ from hetpipe.doctor_config import DoctorConfig, DoctorSettings, register_doctor_
 from hetpipe.doctor_facts import fact_sheet
 from hetpipe.doctor_probe import ProbeServer, describe_os_error, probe_peers
 from hetpipe.doctor_report import blockers_of, format_cluster, format_node, multi_node_job, torch_lines, warnings_of
-from hetpipe.errors import ConfigError, run_cli
+from hetpipe.errors import ConfigError, run_cli, run_hydra_cli
 from hetpipe.launch import under_torchrun
 from hetpipe.pretrain_config import resolve
 
@@ -171,4 +171,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_cli(main)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Callable, NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -63,6 +64,41 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Print ``hetpipe: error: <message>`` on stderr and exit with ``code``."""
     error_line(message)
     raise SystemExit(code)
+
+
+def run_hydra_cli(main: Callable[[], None]) -> None:
+    """Run a ``@hydra.main`` entry point: a command line hydra cannot compose - an
+    unknown key, a value of the wrong type, a config group option that does not
+    exist - is one line and exit 2 like any bad input, instead of hydra's
+    multi-line report and exit 1. ``HYDRA_FULL_ERROR=1`` keeps hydra's own report."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    from hydra.errors import HydraException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # hydra raises instead of reporting; reported here
+    try:
+        main()
+    except HydraException as exc:
+        fail(f"bad command line: {hydra_error_line(exc)}")
+    except Exception:  # noqa: BLE001 - a bug: its traceback, as hydra would print it
+        traceback.print_exc()
+        raise SystemExit(EXIT_CRASH) from None
+
+
+def hydra_error_line(exc: Exception) -> str:
+    """Hydra's report of a composition error in one line: its first line, the
+    OmegaConf error behind it, and a config group's options."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    line = lines[0].rstrip(".") if lines else type(exc).__name__
+    if exc.__cause__ is not None and str(exc.__cause__).strip():
+        line += ": " + str(exc.__cause__).strip().splitlines()[0]
+    if any(l.startswith("Available options") for l in lines):
+        start = next(i for i, l in enumerate(lines) if l.startswith("Available options")) + 1
+        options = [l for l in lines[start:] if not l.startswith(("Config search path", "provider="))]
+        options = options[:next((i for i, l in enumerate(options) if ":" in l), len(options))]
+        line += f" (available: {', '.join(options)})"
+    return line
 
 
 def run_cli(fn: Callable[[], T]) -> T:

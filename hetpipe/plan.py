@@ -27,7 +27,7 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.errors import ConfigError, run_cli
+from hetpipe.errors import ConfigError, run_cli, run_hydra_cli
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.catalog import catalog_with, detect_device_type
 from hetpipe.partitioner.planner_config import PlannerConfig
@@ -233,7 +233,7 @@ def cli() -> None:
     """``profile`` as the first argument selects the profiling mode (before hydra parses argv)."""
     if len(sys.argv) > 1 and sys.argv[1] == "profile":
         sys.argv[1:2] = ["mode=profile"]
-    main()
+    run_hydra_cli(main)
 
 
 if __name__ == "__main__":

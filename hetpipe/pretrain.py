@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from hetpipe.pretrain_config import register_configs, resolve
-from hetpipe.errors import run_cli
+from hetpipe.errors import run_cli, run_hydra_cli
 
 register_configs()
 
@@ -36,4 +36,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_cli(main)

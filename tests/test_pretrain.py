@@ -243,3 +243,17 @@ def test_a_zero_learning_rate_is_a_run_that_updates_nothing():
     assert [lr_at(s, opt, 10) for s in range(10)] == [0.0] * 10
     with pytest.raises(ConfigError, match=r"need 0 <= min_lr <= lr, got lr=0.0, min_lr=0.1"):
         OptimizerConfig(lr=0.0, min_lr=0.1)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["+model=tiny_llama", "train.bogus=1"],
+     "hetpipe: error: bad command line: Could not override 'train.bogus': Key 'bogus' not in 'TrainConfig'"),
+    (["+model=tiny_llama", "train.seq_length=abc"],
+     "hetpipe: error: bad command line: Error merging override train.seq_length=abc: Value 'abc' of type 'str' "
+     "could not be converted to Integer"),
+    (["+model=llama9b"], "hetpipe: error: bad command line: In 'pretrain': Could not find 'model/llama9b' "
+                         "(available: llama31_8b, llama8b, qwen2_7b, tiny_llama, tiny_qwen2)"),
+])
+def test_a_command_line_hydra_cannot_compose_is_one_line_and_exit_2(args, line):
+    proc = run_cli(["-m", "hetpipe.pretrain", *args, "--cfg", "job"], timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr
