@@ -61,6 +61,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, error_line
 from hetpipe.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
 from hetpipe.job_watch import namespace, post_verdict, posted_verdict
+from hetpipe.preemption import LAUNCH_DIR_ENV
 from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, rendezvous_round
 
 T = TypeVar("T")
@@ -104,7 +105,11 @@ class HetpipeAgent(AgentHooks):
         self.node = node  # "node 1 of 2: " under torchrun on several nodes, else ""
         self.attempt = 0
         self.first_round: Optional[int] = None
-        self.launch_dir = Path(tempfile.mkdtemp(prefix="hetpipe-launch-"))
+        # The local launcher's ranks fork from a server whose environment was set
+        # before any attempt: they find the directory it made through it, and
+        # their attempt in torch's restart count (hetpipe.launch._start_fork_server).
+        self.forked = bool(os.environ.get(LAUNCH_DIR_ENV))
+        self.launch_dir = Path(os.environ.get(LAUNCH_DIR_ENV) or tempfile.mkdtemp(prefix="hetpipe-launch-"))
         self.watch: Optional[_WorkerWatch] = None
         self.failed: Optional[RunResult] = None
 
@@ -124,6 +129,8 @@ class HetpipeAgent(AgentHooks):
 
     def worker_env(self) -> dict[str, str]:
         self.preempt_dir.mkdir(exist_ok=True)
+        if self.forked:
+            return {}
         return {ATTEMPT_ENV: str(self.attempt), PREEMPT_DIR_ENV: str(self.preempt_dir)}
 
     def after_start(self, worker_group: WorkerGroup, pids: dict[int, Any]) -> None:
@@ -180,7 +187,8 @@ class HetpipeAgent(AgentHooks):
 
     def close(self) -> None:
         self.end_watch()
-        shutil.rmtree(self.launch_dir, ignore_errors=True)
+        if not self.forked:  # the local launcher's outlives this launch (hetpipe.launch)
+            shutil.rmtree(self.launch_dir, ignore_errors=True)
 
     # -- the cause -------------------------------------------------------------------
     def cause(self, result: RunResult) -> Cause:

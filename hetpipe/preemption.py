@@ -24,6 +24,21 @@ from types import FrameType
 from typing import Any, Optional, Sequence
 
 PREEMPT_DIR_ENV = "HETPIPE_PREEMPT_DIR"
+# The local launcher's directory for the whole launch: its ranks, forked from a
+# server started before any attempt (hetpipe.launch), inherit no per-attempt
+# variable and use <it>/attempt<N> instead.
+LAUNCH_DIR_ENV = "HETPIPE_LAUNCH_DIR"
+
+
+def marker_dir() -> Optional[Path]:
+    """Where this rank leaves its preemption marker, if its launcher asked for one."""
+    if os.environ.get(PREEMPT_DIR_ENV):
+        return Path(os.environ[PREEMPT_DIR_ENV])
+    if os.environ.get(LAUNCH_DIR_ENV):
+        from hetpipe.launch import restart_attempt
+
+        return Path(os.environ[LAUNCH_DIR_ENV]) / f"attempt{restart_attempt()}"
+    return None
 
 
 class PreemptionWatch:
@@ -54,10 +69,10 @@ class PreemptionWatch:
 
 def write_marker(rank: int, step: int, checkpoint: Optional[Path], signal_name: str) -> None:
     """Tell this rank's launcher that it saved and stops on purpose (if it asked)."""
-    directory = os.environ.get(PREEMPT_DIR_ENV)
-    if not directory:
+    directory = marker_dir()
+    if directory is None:
         return
-    path = Path(directory) / f"rank{rank}.json"
+    path = directory / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"rank": rank, "step": step, "signal": signal_name,
                                "checkpoint": str(checkpoint) if checkpoint else None}) + "\n")

@@ -217,6 +217,12 @@ def rendezvous_round(handler: Any) -> Optional[int]:
     return getattr(state, "round", None)
 
 
+# What a local rank imports before its first step, for the server local ranks
+# fork from (hetpipe.launch): torch, and the compiler torch's optimizer
+# constructor imports (``torch._dynamo``, through ``torch._disable_dynamo``).
+RANK_PRELOAD = ["torch", "torch._dynamo"]
+
+
 # -- kernels and compiler switches ----------------------------------------------------------------
 
 def set_gemm_sm_carveout(sms: int) -> bool:
