@@ -102,7 +102,7 @@ def _exit_now(status: int) -> None:
 def _left_preemption_marker() -> bool:
     from hetpipe.preemption import marker_dir
 
-    directory = marker_dir()
+    directory = marker_dir(restart_attempt())
     return directory is not None and (directory / f"rank{os.environ.get('RANK', '0')}.json").is_file()
 
 

@@ -30,14 +30,12 @@ PREEMPT_DIR_ENV = "HETPIPE_PREEMPT_DIR"
 LAUNCH_DIR_ENV = "HETPIPE_LAUNCH_DIR"
 
 
-def marker_dir() -> Optional[Path]:
-    """Where this rank leaves its preemption marker, if its launcher asked for one."""
+def marker_dir(attempt: int) -> Optional[Path]:
+    """Where this rank of restart ``attempt`` leaves its preemption marker, if its launcher asked for one."""
     if os.environ.get(PREEMPT_DIR_ENV):
         return Path(os.environ[PREEMPT_DIR_ENV])
     if os.environ.get(LAUNCH_DIR_ENV):
-        from hetpipe.launch import restart_attempt
-
-        return Path(os.environ[LAUNCH_DIR_ENV]) / f"attempt{restart_attempt()}"
+        return Path(os.environ[LAUNCH_DIR_ENV]) / f"attempt{attempt}"
     return None
 
 
@@ -67,9 +65,9 @@ class PreemptionWatch:
         self._previous.clear()
 
 
-def write_marker(rank: int, step: int, checkpoint: Optional[Path], signal_name: str) -> None:
+def write_marker(rank: int, attempt: int, step: int, checkpoint: Optional[Path], signal_name: str) -> None:
     """Tell this rank's launcher that it saved and stops on purpose (if it asked)."""
-    directory = marker_dir()
+    directory = marker_dir(attempt)
     if directory is None:
         return
     path = directory / f"rank{rank}.json"

@@ -348,7 +348,7 @@ def _stop_for_preemption(preemption: PreemptionWatch, step: int, rank: int, chec
                          logger: Optional[MetricsLogger]) -> None:
     """The checkpoint of ``step`` is committed: say so, and let the launcher know."""
     signal_name = preemption.received or "a signal on another rank"
-    write_marker(rank, step, checkpoint, signal_name)
+    write_marker(rank, restart_attempt(), step, checkpoint, signal_name)
     if logger is not None:
         logger.record_event(step, "preempted", signal=signal_name)
         print(f"hetpipe: preempted by {signal_name} after step {step}: checkpoint {checkpoint} saved; "
