@@ -28,7 +28,10 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
   of it: a key written in attempt 0 was still there in attempt 1, at the same
   port);
   and ``HETPIPE_PREEMPT_DIR``, a fresh directory where each rank that saved
-  a checkpoint on a preemption signal leaves ``rank<R>.json``.
+  a checkpoint on a preemption signal leaves ``rank<R>.json``. The local
+  launcher's ranks fork from a server started before any attempt and see
+  neither variable: on one node the round is torch's restart count, and the
+  directory is ``$HETPIPE_LAUNCH_DIR/attempt<N>`` (hetpipe.launch).
 * **Preemption.** On SIGTERM (and SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2:
   :data:`HANDLED_SIGNALS`, SIGUSR1 and SIGUSR2 added to torch's default list,
   whose default action would kill the launcher and orphan its ranks) torch's
