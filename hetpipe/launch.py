@@ -28,6 +28,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -70,6 +71,7 @@ def _worker(fn: Callable[..., Any], args: tuple) -> Any:
     # Not at the top: job_watch imports torch, and main() must set TORCH_CPP_LOG_LEVEL before torch loads.
     from hetpipe.job_watch import stop_rank
 
+    _restore_signals()
     if os.environ.get("HETPIPE_STACK_DUMP_S"):
         faulthandler.dump_traceback_later(float(os.environ["HETPIPE_STACK_DUMP_S"]), exit=False)
     try:
@@ -175,7 +177,34 @@ def _start_fork_server() -> None:
     context = multiprocessing.get_context("forkserver")
     # Not hetpipe.pretrain: a rank runs the main module anew (runpy warns when it is loaded already).
     context.set_forkserver_preload([*RANK_PRELOAD, "hydra", "hetpipe.trainer", "hetpipe.launch"])
-    multiprocessing.forkserver.ensure_running()
+    # A scheduler's stop signal may reach every process of the job (Slurm
+    # signals the whole step): the server must outlive it, or the agent reads
+    # every rank as ended at once (status 255) and reports them unsaved while
+    # they still save (seen: exit 143 and no checkpoint, where spawned ranks
+    # saved and the launcher exited 0). So the server starts with those
+    # signals ignored - an ignored signal stays ignored across exec - and each
+    # rank restores them before anything else (_worker).
+    ignored = [s for s in _SERVER_IGNORES if signal.getsignal(s) == signal.SIG_DFL]
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in ignored}
+    os.environ[_SERVER_IGNORES_ENV] = ",".join(s.name for s in ignored)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        del os.environ[_SERVER_IGNORES_ENV]
+
+
+# The launcher's stop signals but SIGINT, which the fork server ignores itself
+# (and which an interpreter started with it ignored would not turn into KeyboardInterrupt).
+_SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_SERVER_IGNORES_ENV = "HETPIPE_FORK_SERVER_IGNORES"
+
+
+def _restore_signals() -> None:
+    """In a rank forked from the server: the stop signals it ignored act again."""
+    for name in filter(None, os.environ.pop(_SERVER_IGNORES_ENV, "").split(",")):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
 def _quiet_torch_launcher() -> None:

@@ -38,13 +38,14 @@ TINY = ["+model=tiny_llama", "cluster=cpu_mixed", "cluster.transport.kind=tcp", 
 RESTART = re.compile(r"hetpipe: rank 1 \(pid \d+\) was killed by SIGKILL; restarting the job \(restart 1 of 1\)")
 
 
-def start(run_dir: Path, *overrides: str, fault: str = "") -> subprocess.Popen:
+def start(run_dir: Path, *overrides: str, fault: str = "", session: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     env.pop("HETPIPE_FAULT", None)
     if fault:
         env["HETPIPE_FAULT"] = fault
     return subprocess.Popen([sys.executable, "-m", "hetpipe.pretrain", *TINY, *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=session)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 200) -> tuple[int, str, str]:
@@ -118,6 +119,34 @@ def test_a_preemption_signal_to_the_launcher_saves_and_exits_0(tmp_path, sig, ov
     assert said, (out[-2000:], err[-3000:])
     assert int(said.group(1)) >= 2 and Path(said.group(2)).is_dir(), said.group(0)
     assert "hetpipe: error:" not in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.torch_matrix
+def test_sigterm_to_every_process_of_the_job_saves_and_exits_0(tmp_path):
+    # As Slurm preempts: the launcher, the server its ranks fork from, and the ranks all get it.
+    run = tmp_path / "run"
+    proc = start(run, "train.train_iters=100000", session=True)
+    wait_for_steps(proc, run, 2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    code, out, err = finish(proc, timeout=120)
+    assert code == 0, (code, out[-2000:], err[-3000:])
+    said = re.search(r"^hetpipe: preempted by SIGTERM after step (\d+): checkpoint (\S+) saved; exiting 0$", out,
+                     re.MULTILINE)
+    assert said and Path(said.group(2)).is_dir(), (out[-2000:], err[-3000:])
+    assert "hetpipe: error:" not in err and "Traceback" not in err, err[-3000:]
+
+
+def test_a_stop_signal_the_ranks_do_not_take_for_preemption_ends_them_at_once(tmp_path):
+    # Ranks forked from a server that ignores SIGTERM must act on it again: here it is no
+    # preemption signal, so it ends them at once, not after the agent's 30 s before SIGKILL.
+    run = tmp_path / "run"
+    proc = start(run, "train.train_iters=100000", "train.preemption_signals=[SIGUSR1]", session=True)
+    wait_for_steps(proc, run, 2)
+    signalled = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    code, out, err = finish(proc, timeout=120)
+    assert code == 128 + signal.SIGTERM and time.monotonic() - signalled < 15, (code, err[-3000:])
+    assert "hetpipe: error: stopped by SIGTERM before the ranks saved" in err, err[-3000:]
 
 
 def test_the_sbatch_script_waits_out_a_preemption_and_exits_with_its_steps(tmp_path):
