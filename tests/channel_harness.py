@@ -42,6 +42,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _child(target, rank: int, port: int, results, args: tuple) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+        store.set(f"harness/started/{rank}", "1")
         results.put((rank, "ok", target(rank, store, *args)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -59,8 +60,15 @@ class Ranks:
                       for r in ranks}
 
     def __enter__(self) -> "Ranks":
+        """Start the ranks and wait until each has imported torch and reached the store:
+        a test's deadlines then time the channel, not a process start on a busy machine
+        (a peer's start took longer than a 1.5 s deadline beside other jobs)."""
         for proc in self.procs.values():
             proc.start()
+        try:
+            self.store.wait([f"harness/started/{r}" for r in self.procs], timedelta(seconds=self.timeout))
+        except RuntimeError:
+            pass  # a rank that failed first says why in results()
         return self
 
     def results(self) -> dict[int, object]:
