@@ -44,6 +44,7 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -364,8 +365,27 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         if not agents:
             error_line(f"{node}stopped by {exc.sigval.name} before the ranks started")
             raise SystemExit(128 + exc.sigval.value) from None
-        agents[-1].report_signal(exc.sigval)
+        try:
+            agents[-1].report_signal(exc.sigval)
+        except SystemExit as stop:
+            _leave(agents, int(stop.code or 0))
     finally:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
         for agent in agents:
             agent.close()
+
+
+def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
+    """End a launcher stopped by a signal now, its ranks gone and its lines written,
+    without the interpreter's shutdown: torch's store and rendezvous threads may be
+    inside C++ calls then, and one such exit aborted the launcher after every rank
+    had saved ("terminate called without an active exception", status -6; once in
+    a fresh-clone suite run)."""
+    for agent in agents:
+        agent.close()
+        if agent.forked:  # the local launcher's directory, which its atexit hook would remove
+            shutil.rmtree(agent.launch_dir, ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
