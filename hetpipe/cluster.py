@@ -29,7 +29,10 @@ class GroupConfig:
     vendor: str = "auto"
     # A key of the partitioner's device catalog (H200, MI325X, CPU, ...);
     # "CPU" ranks run on the CPU, anything else on the rank's local GPU;
-    # auto is the GPU when one is visible, else the CPU.
+    # auto is the GPU when one is visible, else the CPU, and its catalog key
+    # comes from the device itself (name, architecture and memory,
+    # hetpipe/device_facts.py). A declared type is checked against every
+    # rank's real device at start-up (see ClusterConfig.allow_device_mismatch).
     device_type: str = "auto"
     nodes: int = 1
     ranks_per_node: int = 1
@@ -114,6 +117,13 @@ class ClusterConfig:
     name: str = "single"
     # Allow declared vendors that differ from the detected hardware.
     emulate: bool = False
+    # Run although a group's device_type (or the type an auto group's plan was
+    # made for) is not the device its ranks detect at start-up: a what-if plan
+    # for hardware you do not have, on purpose, with a warning. Off, the job
+    # stops with one line naming both, exit 2: a plan=auto run declared H200 on
+    # two H100s planned 126.9 GiB per device and died of OOM at step 2. A GPU
+    # type on a CPU is refused either way (it cannot run). hetpipe/device_facts.py.
+    allow_device_mismatch: bool = False
     groups: List[GroupConfig] = field(default_factory=lambda: [GroupConfig()])
     transport: TransportConfig = field(default_factory=TransportConfig)
 

@@ -20,15 +20,21 @@ T = TypeVar("T")
 # peer is the cluster's, and a restart may succeed; a crashed rank (killed by
 # a signal - SIGKILL from the OOM killer or a user, SIGSEGV - or an exception
 # that is a bug) is the code's or the machine's, and the launcher names the
-# rank and how it died. A launcher stopped by a signal exits 128 + its number
-# (0 when preempted: every rank saved a checkpoint first).
+# rank and how it died. A device that ran out of memory is the plan's: a
+# restart would run out again at the same step, so the launcher does not
+# restart it (launch_agent.py). A launcher stopped by a signal exits 128 + its
+# number (0 when preempted: every rank saved a checkpoint first).
 EXIT_CRASH = 1
 EXIT_BAD_INPUT = 2
 EXIT_LOST_PEER = 3
+EXIT_OUT_OF_MEMORY = 4
 
 
 class HetpipeError(Exception):
     """An error caused by input (config, data, checkpoint, peer), not by a bug."""
+
+    # The status a process ends with for it (one of the EXIT_ statuses above).
+    exit_status = EXIT_BAD_INPUT
 
 
 class ConfigError(HetpipeError):
@@ -37,6 +43,12 @@ class ConfigError(HetpipeError):
 
 class DataError(HetpipeError):
     """A data file or tokenizer is missing, malformed or inconsistent."""
+
+
+class OutOfDeviceMemory(HetpipeError):
+    """A rank's device ran out of memory (torch's OutOfMemoryError, in one line: hetpipe.memory_fit)."""
+
+    exit_status = EXIT_OUT_OF_MEMORY
 
 
 def config_error_from(exc: Exception, prefix: str = "") -> HetpipeError:
@@ -102,8 +114,8 @@ def hydra_error_line(exc: Exception) -> str:
 
 
 def run_cli(fn: Callable[[], T]) -> T:
-    """Run ``fn``; turn a :class:`HetpipeError` into one line and exit 2."""
+    """Run ``fn``; turn a :class:`HetpipeError` into one line and its exit status (2: bad input)."""
     try:
         return fn()
     except HetpipeError as exc:
-        fail(str(exc))
+        fail(str(exc), exc.exit_status)

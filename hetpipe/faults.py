@@ -5,7 +5,9 @@
 
 * actions: ``kill`` (SIGKILL this process: no handler, no cleanup, as the
   kernel's OOM killer or a dead node does), ``raise`` (a RuntimeError, i.e. a
-  bug), ``nan`` (the point's tensors become +inf), ``sleep=<seconds>``
+  bug), ``oom`` (torch's OutOfMemoryError, as a device allocation that
+  failed raises it, so that the out-of-memory path of hetpipe.memory_fit
+  runs on CPU too), ``nan`` (the point's tensors become +inf), ``sleep=<seconds>``
   (a slow rank), ``signal=<NAME>`` (send this process a signal, as a
   scheduler would);
 * points: ``step`` (a training step's start), ``grads`` (a step's gradients
@@ -34,7 +36,7 @@ from hetpipe.restart import restart_attempt
 
 ENV = "HETPIPE_FAULT"
 POINTS = ("step", "grads", "save")
-ACTIONS = ("kill", "raise", "nan", "sleep", "signal")
+ACTIONS = ("kill", "raise", "oom", "nan", "sleep", "signal")
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ def hit(point: str, rank: int, step: Optional[int] = None,
             time.sleep(60)  # the signal is delivered before this returns
         elif fault.action == "raise":
             raise RuntimeError(f"injected fault at {point} of step {step} on rank {rank}")
+        elif fault.action == "oom":
+            raise torch.OutOfMemoryError(f"injected out-of-memory fault at {point} of step {step} on rank {rank}")
         elif fault.action == "nan":
             with torch.no_grad():
                 for t in tensors():

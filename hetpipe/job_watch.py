@@ -8,7 +8,8 @@ something different, or nothing, or print a traceback. So the first rank that
 knows the *cause* posts it under one key of the job's store (first post wins,
 ``compare_set``), and every rank prints that same line and exits with the
 status posted with it - 3 (``EXIT_LOST_PEER``) for a node, link or peer that
-failed, 1 (``EXIT_CRASH``) for a crashed rank, 2 only for bad input - which
+failed, 1 (``EXIT_CRASH``) for a crashed rank, 4 (``EXIT_OUT_OF_MEMORY``) for
+a device out of memory (:mod:`hetpipe.memory_fit`), 2 only for bad input - which
 the launchers read as "this rank already said why":
 
 * a boundary channel posts from its I/O thread the moment a peer fails mid-
@@ -67,8 +68,9 @@ from hetpipe.comm.channel import ChannelError, ChannelTimeout
 from hetpipe.comm.nics import Nic, list_interfaces
 from hetpipe.comm.tcp_links import LinkStalled
 from hetpipe.comm.threaded import PeerLost
-from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, HetpipeError, error_line
+from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER, HetpipeError, error_line
 from hetpipe.launch import restart_attempt
+from hetpipe.preemption import marker_dir
 from hetpipe.nodes import NodeMap, NodeMissing
 
 ABORT_KEY = "hetpipe/abort"
@@ -91,6 +93,7 @@ _GLOO_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 
 _current: Optional[JobWatch] = None
 _exiting = threading.Lock()
+_said = threading.Lock()  # held once this process printed its line
 
 
 def namespace(attempt: Optional[int] = None) -> str:
@@ -237,6 +240,17 @@ class JobWatch:
             return f"{self.nodes.label(node)} lost: a collective failed: {message}"
         return f"a collective failed: {message}"
 
+    def announce(self, reason: str, code: int) -> None:
+        """Post ``reason`` and print the line that stands, now, and let this rank unwind:
+        its ``finally`` blocks run while every other rank already stops. Printed first
+        here, since the others, once they read it, linger only ``_LINGER_S`` before
+        their launcher may stop this rank too; its exit later prints nothing more."""
+        try:
+            standing = self.post(reason, code)
+        except Exception:  # noqa: BLE001 - the store is unreachable: say our own reason
+            standing = Verdict(reason, code)
+        _say(self.rank, standing.reason)
+
     def stop_job(self, reason: str, code: int = EXIT_LOST_PEER) -> NoReturn:
         """Post ``reason`` (unless another stands), print the standing one, stop this rank."""
         try:
@@ -282,8 +296,9 @@ class Verdict(NamedTuple):
 
 
 def _status_of(exc: HetpipeError) -> int:
-    """A peer that misbehaves on the wire is bad input; one that vanished is not."""
-    return EXIT_LOST_PEER if isinstance(exc, (PeerLost, LinkStalled, NodeMissing)) else EXIT_BAD_INPUT
+    """A peer that misbehaves on the wire is bad input; one that vanished is not; a
+    device out of memory is its own status (errors.EXIT_OUT_OF_MEMORY)."""
+    return EXIT_LOST_PEER if isinstance(exc, (PeerLost, LinkStalled, NodeMissing)) else exc.exit_status
 
 
 def _verdict(raw: bytes) -> Verdict:
@@ -294,12 +309,41 @@ def _verdict(raw: bytes) -> Verdict:
 def _exit(rank: int, reason: str, code: int, linger: bool = True) -> NoReturn:
     """Print the one line (once per process, whichever thread gets here first) and leave."""
     if _exiting.acquire(blocking=False):
-        error_line(f"[rank {rank}] {reason}")
+        _say(rank, reason)
         if linger:
             time.sleep(_LINGER_S)
         os._exit(code)  # skip interpreter teardown: peers may hold sockets to us, threads may block
     while True:  # another thread is printing and exiting
         time.sleep(1.0)
+
+
+def _say(rank: int, reason: str) -> None:
+    """This process's one line, once (announce, then _exit, print it once), and
+    only by the first rank of its node's launch to get here (:func:`_first_here`)."""
+    if _said.acquire(blocking=False) and _first_here():
+        error_line(f"[rank {rank}] {reason}")
+
+
+def _first_here() -> bool:
+    """Whether no other rank of this node's launch has said the job's line yet.
+
+    Every rank ends with the cause that stands, and each used to print it: two
+    identical lines from two ranks, eight from a node of eight, for one cause.
+    The first rank to print leaves a file in its attempt's launch directory;
+    the others exit with the same status and say nothing. Without a launch
+    directory (a rank run by hand) every rank prints.
+    """
+    directory = marker_dir(restart_attempt())
+    if directory is None:
+        return True
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(directory / "said", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _first_line(exc: BaseException) -> str:
@@ -338,7 +382,7 @@ def stop_rank(exc: BaseException) -> NoReturn:
     watch = _current
     if watch is None:
         if isinstance(exc, HetpipeError):
-            code = EXIT_LOST_PEER if isinstance(exc, NodeMissing) else EXIT_BAD_INPUT
+            code = EXIT_LOST_PEER if isinstance(exc, NodeMissing) else exc.exit_status
             _exit(rank, str(exc), code, linger=False)  # no job yet: no peer to wait for
         traceback.print_exception(exc)
         _exit(rank, _bug(rank, exc), EXIT_CRASH, linger=False)

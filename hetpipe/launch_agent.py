@@ -16,9 +16,10 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
   its cgroup's OOM count rose, :mod:`hetpipe.exit_cause`) as the job's verdict
   (:mod:`hetpipe.job_watch`), which every other rank, on every node, prints
   instead of the connection it lost (those wait ``job_watch._GRACE_S`` for a
-  better cause), and prints it itself. A rank that exited 1, 2 or 3 printed
+  better cause), and prints it itself. A rank that exited 1, 2, 3 or 4 printed
   its own line; the launcher adds none and exits with that status.
-* **Restarts** (``max_restarts``: torch's): one line each, naming the cause.
+* **Restarts** (``max_restarts``: torch's): one line each, naming the cause;
+  none after a rank ran out of device memory (status 4), which would recur.
 * **Each attempt's environment**, set before its ranks start:
   ``HETPIPE_ATTEMPT``, the rendezvous round since the first - equal on every
   node, which ``TORCHELASTIC_RESTART_COUNT`` is not (an agent that restarts
@@ -62,7 +63,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, error_line
+from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, error_line
 from hetpipe.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
 from hetpipe.job_watch import namespace, post_verdict, posted_verdict
 from hetpipe.preemption import LAUNCH_DIR_ENV
@@ -91,7 +92,10 @@ _SETTLE_S = 0.5
 # not answer within this is gone, and the cause is printed without posting it.
 _STORE_TIMEOUT_S = 5.0
 # Statuses a rank exits with after printing its own line (job_watch.stop_rank).
-_SAID_WHY = (EXIT_CRASH, EXIT_BAD_INPUT, EXIT_LOST_PEER)
+_SAID_WHY = (EXIT_CRASH, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY)
+# Failures a restart would meet again: a device out of memory runs out at the
+# same step of the same plan (hetpipe.memory_fit).
+_RECURRING = (EXIT_OUT_OF_MEMORY,)
 
 
 class Cause(NamedTuple):
@@ -149,6 +153,8 @@ class HetpipeAgent(AgentHooks):
                 # The agent may have reaped the first rank to die before the
                 # watch's next poll, on a busy machine: its cause is posted from here.
                 self.watch.settle(result.failures)
+            if any(f.exitcode in _RECURRING for f in result.failures.values()):
+                self.stop_restarting()
 
     def before_restart(self, worker_group: WorkerGroup) -> None:
         spec = worker_group.spec

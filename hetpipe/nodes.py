@@ -7,12 +7,13 @@ from it, see :mod:`hetpipe.scheduler_env`), so a rank's node follows from the
 config; its addresses are what it says at the roll call.
 
 The roll call is the first thing every rank does with the job's store, before
-the gloo world group: each rank publishes its NIC addresses and which network
-stack it runs in, then waits for all the others within the transport
-deadline. A rank that never arrives is named by its node then; gloo's own
-rendezvous would wait 30 minutes and name a store key. The network stacks
-also tell whether the job really spans hosts: two torchrun "nodes" on one
-machine share a loopback, two machines do not.
+the gloo world group: each rank publishes its NIC addresses, which network
+stack it runs in and the device it really runs on (:mod:`hetpipe.device_facts`),
+then waits for all the others within the transport deadline. A rank that
+never arrives is named by its node then; gloo's own rendezvous would wait 30
+minutes and name a store key. The network stacks also tell whether the job
+really spans hosts: two torchrun "nodes" on one machine share a loopback, two
+machines do not. The devices are checked against the plan once all arrived.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -28,6 +29,7 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 
 from hetpipe.cluster import ClusterConfig
+from hetpipe.device_facts import DeviceFacts
 from hetpipe.errors import EXIT_LOST_PEER, HetpipeError
 from hetpipe.scheduler_env import node_layout
 
@@ -58,6 +60,8 @@ class NodeMap:
     addresses: dict[int, tuple[str, ...]]  # rank -> its channel NIC addresses (ranks that arrived)
     # More than one network stack among the ranks: loopback cannot join them.
     multi_host: bool = False
+    # rank -> the device it runs on, as it reported it (ranks that arrived with one).
+    devices: dict[int, DeviceFacts] = field(default_factory=dict)
 
     @classmethod
     def layout(cls, cluster: ClusterConfig, multi_node: bool) -> NodeMap:
@@ -92,14 +96,16 @@ def _key(rank: int) -> str:
 
 
 def roll_call(store: dist.Store, rank: int, layout: NodeMap, addresses: Sequence[str], deadline: float,
-              posted: Callable[[], Optional[tuple[str, int]]]) -> NodeMap:
-    """Publish this rank's ``addresses`` and wait up to ``deadline`` s for every rank of ``layout``.
+              posted: Callable[[], Optional[tuple[str, int]]], device: Optional[DeviceFacts] = None) -> NodeMap:
+    """Publish this rank's ``addresses`` and ``device`` and wait up to ``deadline`` s for every rank
+    of ``layout``.
 
-    Returns ``layout`` with every rank's addresses. Ranks still missing at the
+    Returns ``layout`` with every rank's addresses and devices. Ranks still missing at the
     deadline are a :class:`NodeMissing` naming their nodes; a failure another
     rank reported meanwhile (``posted``) ends the wait with that reason.
     """
-    store.set(_key(rank), json.dumps({"addresses": list(addresses), "network": network_identity()}))
+    store.set(_key(rank), json.dumps({"addresses": list(addresses), "network": network_identity(),
+                                      "device": device.to_dict() if device else None}))
     world = len(layout.node_of)
     keys = [_key(r) for r in range(world)]
     until = time.monotonic() + deadline
@@ -116,7 +122,8 @@ def roll_call(store: dist.Store, rank: int, layout: NodeMap, addresses: Sequence
                 raise NodeMissing(_missing(store, layout, deadline)) from None
     facts = {r: json.loads(store.get(_key(r)).decode()) for r in range(world)}
     return NodeMap(layout.node_of, layout.groups, {r: tuple(f["addresses"]) for r, f in facts.items()},
-                   multi_host=len({f["network"] for f in facts.values()}) > 1)
+                   multi_host=len({f["network"] for f in facts.values()}) > 1,
+                   devices={r: DeviceFacts.from_dict(f["device"]) for r, f in facts.items() if f.get("device")})
 
 
 def _missing(store: dist.Store, layout: NodeMap, deadline: float) -> str:

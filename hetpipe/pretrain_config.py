@@ -97,8 +97,14 @@ class TrainConfig:
     # Restarts of the whole job after a rank dies (torchrun's --max-restarts;
     # the local launcher's elastic agent takes it from here, a multi-node job
     # from launch_cluster.sh's HETPIPE_MAX_RESTARTS). Each restart resumes
-    # from the latest complete checkpoint of checkpoint.save_dir.
+    # from the latest complete checkpoint of checkpoint.save_dir. A device
+    # that ran out of memory is not restarted: it would run out again.
     max_restarts: int = 0
+    # Refuse, before step 1, a plan whose predicted memory per device does not
+    # fit the device a stage's ranks got (hetpipe/memory_fit.py). The
+    # prediction is the planner's model, which has so far under-predicted
+    # measured peaks; false runs such a plan anyway.
+    memory_check: bool = True
     # Signals that preempt the run: every rank finishes its step, a
     # checkpoint is written and the job exits 0. SIGTERM is what Slurm sends
     # before killing a preempted job (after KillWait, 30 s by default);

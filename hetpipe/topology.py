@@ -10,7 +10,9 @@ configured cross-vendor channel.
 
 Before any group exists, each rank resolves its node's NICs from
 ``cluster.transport`` (:mod:`hetpipe.comm.nics`), answers the roll call
-(:mod:`hetpipe.nodes`) and arms the job's watch (:mod:`hetpipe.job_watch`);
+(:mod:`hetpipe.nodes`) with them and its device, checks every rank's device
+against the plan (:mod:`hetpipe.device_facts`) and arms the job's watch
+(:mod:`hetpipe.job_watch`);
 on a multi-node job gloo and NCCL are pointed at the same NICs, so the world
 group never falls back to the address the host name resolves to (often
 loopback). Every group waits at most the transport deadline, so a node that
@@ -22,7 +24,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,12 @@ from hetpipe.comm.factory import build_rank_channels
 from hetpipe.comm.nics import Nic, check_dialable, resolve_local_nics, selection_setting, socket_ifname
 from hetpipe.comm.stage_link import StageLink
 from hetpipe.comm.vendor import detect_vendor
+from hetpipe.device_facts import DeviceFacts, check_devices, device_facts, devices_lines
 from hetpipe.errors import ConfigError
 from hetpipe.job_secret import require_job_secret
 from hetpipe.job_watch import JobWatch, namespace
 from hetpipe.nodes import NodeMap, roll_call
+from hetpipe.partitioner.catalog import DeviceSpec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.torch_compat import set_gemm_sm_carveout
 
@@ -93,6 +97,8 @@ class Topology:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    # The device catalog ranks detect their devices' types in (planner.catalog applied); None: built-in.
+    catalog: Optional[Mapping[str, DeviceSpec]] = None
 
     def __post_init__(self) -> None:
         if self.cluster.world_size != self.world_size:
@@ -121,6 +127,7 @@ class Topology:
         self.nics: list[Nic] = []
         self.nodes: Optional[NodeMap] = None
         self.watch: Optional[JobWatch] = None
+        self.devices: dict[int, DeviceFacts] = {}  # rank -> its device, from the roll call
 
     @property
     def pipeline_size(self) -> int:
@@ -173,6 +180,7 @@ class Topology:
     def init_process_groups(self, tied_embeddings: bool) -> None:
         """Create the world, vendor, TP, DP, boundary and embedding groups (same order on every rank)."""
         if self.world_size == 1:
+            self._check_devices({0: device_facts(self.device, self.catalog)})
             return
         # The store is kept for the channels' endpoint exchange (never for the
         # job secret: see job_token); torch has no public way to get it back from the default
@@ -231,7 +239,8 @@ class Topology:
         addresses = [nic.address for nic in nics]
         check_dialable(addresses, False, setting)  # a wildcard is refused on one host too
         self.nodes = roll_call(self.store, self.rank, NodeMap.layout(self.cluster, multi_node), addresses,
-                               transport.deadline_s, self.watch.posted)
+                               transport.deadline_s, self.watch.posted, device_facts(self.device, self.catalog))
+        self._check_devices(self.nodes.devices)
         # Loopback joins ranks that share a network stack, which the roll call has just seen.
         check_dialable(addresses, self.nodes.multi_host, setting)
         self.nics = nics
@@ -242,6 +251,18 @@ class Topology:
                       f"{', '.join(f'{n.name} {n.address}' for n in nics)} ({setting}); {sockets}",
                       file=sys.stderr, flush=True)
         self.watch.arm(self.nodes, nics, self._cross_node_boundaries())
+
+    def _check_devices(self, devices: Mapping[int, DeviceFacts]) -> None:
+        """Every rank's device against the type its group is planned for - on every rank, so a
+        mismatch stops each with the same line - then rank 0 says what the ranks run on."""
+        self.devices = dict(devices)
+        warnings = check_devices(self.cluster, self.devices, self.plan)
+        if self.rank != 0:
+            return
+        for line in devices_lines(self.cluster, self.devices):
+            print(line, flush=True)
+        for line in warnings:
+            print(f"hetpipe: warning: {line}", file=sys.stderr, flush=True)
 
     def _cross_node_boundaries(self) -> list[tuple[int, int, str]]:
         """(rank on this node, rank on another node, "stage 1 <-> stage 2") for every

@@ -157,6 +157,11 @@ class AgentHooks(LocalElasticAgent):
     def remaining_restarts(self) -> int:
         return self._remaining_restarts
 
+    def stop_restarting(self) -> None:
+        """No restart follows this attempt's failure: torch's agent then stops the workers
+        and raises the failure (its restart loop reads this count after the monitor)."""
+        self._remaining_restarts = 0
+
     @property
     def worker_group(self) -> WorkerGroup:
         return self._worker_group

@@ -33,6 +33,7 @@ from hetpipe.evaluate import build_validator, validation_loader
 from hetpipe import faults
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
 from hetpipe.launch import launch, rank_env, under_torchrun
+from hetpipe import memory_fit
 from hetpipe.metrics import MetricsLogger
 from hetpipe.nonfinite import NonFiniteGuard
 from hetpipe.preemption import PreemptionWatch, write_marker
@@ -48,7 +49,8 @@ from hetpipe.parallel.checkpoint import shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.parallel.zero1 import DistributedOptimizer
-from hetpipe.partitioner.catalog import detect_device_type, device_spec
+from hetpipe.device_facts import check_local_devices
+from hetpipe.partitioner.catalog import catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
@@ -116,11 +118,13 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     any process starts, so bad input fails once, in one line; then runs
     :func:`run_rank` on every rank (in-process for a one-rank cluster).
     """
-    plan = resolve_plan(cfg)
+    check_local_devices(cfg.cluster, catalog_with(dict(cfg.planner.catalog or {})))  # before planning for them
+    plan = memory_fit.with_prediction(resolve_plan(cfg), cfg)
     check_transport_available(cfg.cluster)
     if not under_torchrun():
         for group in cfg.cluster.groups:
             check_group_vendor(cfg.cluster, group)
+        memory_fit.check_local_fit(plan, cfg)  # every local rank's device, before any rank starts
     _loader(cfg)
     validation_loader(cfg)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -141,9 +145,11 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
     cfg = resolve(cfg_dict)
     rank, world, local_rank = rank_env()
     plan = Plan.from_dict(yaml.safe_load(plan_yaml))
-    topo = Topology(cfg.cluster, plan, rank, world, local_rank)
+    topo = Topology(cfg.cluster, plan, rank, world, local_rank, catalog_with(dict(cfg.planner.catalog or {})))
+    progress = memory_fit.Progress()
     try:
-        return _train_loop(cfg, plan, topo, Path(run_dir))
+        with memory_fit.out_of_memory_reported(topo, progress, plan, cfg):  # start-up's; the loop reports its own
+            return _train_loop(cfg, plan, topo, Path(run_dir), progress)
     finally:
         topo.close()
 
@@ -183,12 +189,24 @@ def _recv_ahead(cfg: PretrainConfig, topo: Topology) -> int:
     return 1 if topo.device.type == "cuda" and topo.p2p_groups else 2
 
 
-def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) -> list[float]:
+def _check_memory(cfg: PretrainConfig, plan: Plan, topo: Topology) -> None:
+    """This rank's device against its stage's predicted memory, once the job's watch
+    exists (a refusal then ends every rank with its line); the stage's first rank
+    notes a tight fit."""
+    capacity = memory_fit.rank_capacity(cfg, topo.group, topo.device)
+    note = memory_fit.check_stage(plan, cfg, topo.pp_rank, topo.rank, capacity)
+    if note and topo.rank == topo.stage.ranks[0]:
+        print(f"hetpipe: note: {note}", flush=True)
+
+
+def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
+                progress: memory_fit.Progress) -> list[float]:
     t = cfg.train
     device = topo.device
     precision = resolve_precision(t.precision, device.type)
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
+    _check_memory(cfg, plan, topo)
     carveout = topo.apply_gemm_sm_carveout()
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
@@ -266,6 +284,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
     preemption = PreemptionWatch(t.preemption_signals)
     try:
         for step in range(start, t.train_iters):
+            progress.step = step + 1
             lr = lr_at(step, cfg.optimizer, t.train_iters)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -326,6 +345,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path) 
                 checkpoint = saver.wait()  # a preempted job exits only once its checkpoint is committed
                 _stop_for_preemption(preemption, step + 1, topo.rank, checkpoint, logger)
                 break
+    except torch.OutOfMemoryError as exc:  # the job's cause is posted before the cleanup below
+        raise memory_fit.out_of_memory(exc, topo, progress, plan, cfg) from None
     finally:
         preemption.close()
         if logger is not None:

@@ -24,18 +24,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe.comm.vendor import accelerator_name
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner import cost, schedule_model
-from hetpipe.partitioner.catalog import DeviceSpec, catalog_with, detect_device_type, device_spec
+from hetpipe.partitioner.catalog import DeviceSpec, catalog_with, device_spec
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.planner_config import PlannerConfig
-from hetpipe.partitioner.profile import find_entry, load_profile, profile_shape
+from hetpipe.partitioner.profile import find_entry, planner_profiles, profile_shape
 from hetpipe.partitioner.split import INF
 
 
@@ -126,7 +124,7 @@ class CostContext:
         self.num_units = model.num_units
         # Measured costs by device type; a device whose shapes were not profiled
         # keeps the analytic model (and the plan's notes say so).
-        self.profiles = load_profile(planner.profile) if planner.profile else {}
+        self.profiles = planner_profiles(planner.profile, planner.builtin_profiles)
         self.cost_source = {}
         for g, (name, dtype, prec) in enumerate(zip(self.names, self.device_types, self.precisions)):
             shape = profile_shape(model, train.seq_length, prec.name, prec.fused_elementwise)
@@ -342,14 +340,16 @@ def _range_max(x: np.ndarray) -> np.ndarray:
 
 
 def _device_type(group: GroupConfig, catalog: dict[str, DeviceSpec]) -> str:
-    """The catalog key of a group's devices; ``auto`` is this machine's device."""
+    """The catalog key of a group's devices; ``auto`` is this machine's device, detected
+    as every rank detects its own at the roll call (hetpipe/device_facts.py)."""
+    # Not at the top: hetpipe.device_facts imports the catalog, and so this package.
+    from hetpipe.device_facts import local_device_type
+
     if group.device_type != "auto":
         return device_spec(group.device_type, catalog).name
-    if not torch.cuda.is_available():
-        return "CPU"
-    found = detect_device_type(accelerator_name(), catalog)
+    found, name = local_device_type(catalog)
     if not found:
         raise ConfigError(f"group {group.name!r} has device_type=auto and this machine's "
-                          f"{accelerator_name()!r} is not in the catalog: set the group's device_type "
+                          f"{name!r} is not in the catalog: set the group's device_type "
                           "(add the device with planner.catalog if it is new)")
     return found

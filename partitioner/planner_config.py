@@ -27,6 +27,11 @@ class PlannerConfig:
     # Profile JSON from `python -m hetpipe.plan profile`; measured costs replace
     # the analytic ones for the device types and shapes it covers.
     profile: Optional[str] = None
+    # Also use the profiles measured on our machines (partitioner/profiles/:
+    # H100 and H200, LLaMA-3-8B and Qwen2-7B at seq 4096 and 8192). With the
+    # analytic costs alone the planner predicted 8-9 % long steps on two H100s
+    # (docs/benchmarks.md); a profile entry for the device and shape replaces them.
+    builtin_profiles: bool = True
     # Usable fraction of device memory (allocator fragmentation, the CUDA/HIP
     # context and communicator buffers take the rest).
     memory_headroom: float = 0.9
@@ -42,12 +47,14 @@ class PlannerConfig:
     # with the shortest predicted step that fits memory, of 1f1b, zb_h1, zb_v
     # (two chunks per rank in a V, split by partitioner/v_split.py) and gpipe
     # (the zero-bubble ones never with full recomputation); or one of them.
-    # 1f1b by default: the zero-bubble gains across GPU stages are predicted
-    # but not yet measured (they need two GPUs; on one H100 one zb_h1 stage
-    # ran at 0.99x 1f1b's rate with 2.1 GiB more peak memory,
-    # docs/benchmarks.md), so auto is opt-in; `plan` prints every schedule's
-    # predicted step either way.
-    schedule: str = "1f1b"
+    # auto by default, as measured: LLaMA-3-8B PP2 on two H100s (seq 4096,
+    # 16 microbatches, bf16-pure) ran 1f1b at 552.5-554.2 TFLOP/s/GPU, zb_h1
+    # at 572.9-574.4 (1.034-1.040x) and zb_v at the planner's own split
+    # [9,11,6,6] at 575.6 (1.041x), and plan=auto under auto chose that zb_v
+    # split (575.4); on two H200s (seq 8192, 32 microbatches) 1f1b 619.6,
+    # zb_h1 628.4 and plan=auto (zb_v [8,8,9,7]) 628.1. `plan` prints every
+    # schedule's predicted step either way.
+    schedule: str = "auto"
     # Fix the TP degree of every group; None searches the divisors of the head
     # counts that fit in a node.
     tp: Optional[int] = None

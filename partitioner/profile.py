@@ -81,6 +81,24 @@ def load_profile(path: str | Path) -> dict[str, list[dict]]:
     return devices
 
 
+# Profiles measured on the lent machines, shipped with the package: the
+# planner uses the entries of the device type it plans for (H100 for a group
+# detected or declared H100) unless planner.builtin_profiles=false.
+BUILTIN_PROFILES = Path(__file__).resolve().parent / "profiles"
+
+
+def planner_profiles(path: Optional[str], builtin: bool = True) -> dict[str, list[dict]]:
+    """The profile entries the planner looks costs up in: the file ``path``
+    (its entries win over the built-in ones of the same device) and, with
+    ``builtin``, every built-in profile."""
+    files = ([Path(path)] if path else []) + (sorted(BUILTIN_PROFILES.glob("*.json")) if builtin else [])
+    devices: dict[str, list[dict]] = {}
+    for f in files:
+        for device, entries in load_profile(f).items():
+            devices.setdefault(device, []).extend(entries)
+    return devices
+
+
 def find_entry(devices: dict[str, list[dict]], device_type: str, shape: dict[str, Any],
                micro_batch_size: int) -> Optional[dict]:
     """The entry measured on ``device_type`` at ``shape``; one at the same

@@ -97,6 +97,8 @@ class Solution:
             "predicted_tflops_per_gpu": _round(self.tflops_per_gpu),
             "predicted_tokens_per_s": _round(self.tokens_per_s),
             "cost_source": dict(self.cost_source),
+            # What each group was planned for, auto resolved: its ranks check their devices against it.
+            "device_types": dict(self.device_types),
             "cross_vendor_transport": self.transport,
             "predicted_step_s_by_schedule": {o.schedule: None if o.step_s is None else _round(o.step_s)
                                              for o in self.schedule_options},

@@ -49,8 +49,9 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     ``layers`` fixes the decoder layers per (virtual) stage (e.g. ``[15, 17]``):
     the solver then only chooses the rest (groups' order and stages, TP, DP,
     microbatches, recomputation per stage, the schedule) and predicts that
-    split; under zb_v 2P entries make P ranks (an odd count leaves zb_v out of
-    ``auto``). The solution's ``schedule_options`` hold the best plan's step
+    split; under zb_v 2P entries make P ranks (``auto`` leaves out a schedule
+    the split gives no layout under: zb_v for an odd count, or for [15, 17]
+    on two groups). The solution's ``schedule_options`` hold the best plan's step
     under every schedule considered. Raises
     :class:`ConfigError` for impossible input, naming what does not fit.
     """
@@ -64,11 +65,20 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     options: list[ScheduleOption] = []
     solved = total = 0
     lean: Optional[tuple[list[_Block], str]] = None
+    no_layout: list[ConfigError] = []
     for schedule in schedule_model.schedules_for(planner.schedule, planner.recompute):
         num_stages = _num_stages(planner, fixed, schedule)
         if num_stages == 0:
             continue  # an odd number of virtual stages has no V
-        blocks = _enumerate(ctx, num_stages, schedule)
+        try:
+            blocks = _enumerate(ctx, num_stages, schedule)
+        except ConfigError as exc:
+            # Under auto a schedule the cluster cannot lay out is left out: a
+            # fixed [15, 17] is one zb_v rank, which cannot cover two groups.
+            if planner.schedule != "auto":
+                raise
+            no_layout.append(exc)
+            continue
         lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
         if schedule_model.is_v_shaped(schedule):
             best, count = _search_v(ctx, blocks, fixed)
@@ -81,9 +91,12 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
         found.append(build_solution(ctx, *best, schedule))
         options.append(ScheduleOption.of(found[-1]))
     if not found:
-        raise _no_fit_error(ctx, *lean, fixed)
-    # Ties go to the schedule listed first (PLANNED_SCHEDULES: least memory first).
-    solution = min(found, key=lambda s: s.step_s)
+        raise _no_fit_error(ctx, *lean, fixed) if lean is not None else no_layout[0]
+    # Ties go to the schedule listed first (PLANNED_SCHEDULES: least memory
+    # first), within rounding: on one pipeline rank zb_v's step summed to 1
+    # ulp below 1F1B's equal one and auto put both chunks on that rank.
+    fastest = min(s.step_s for s in found)
+    solution = next(s for s in found if s.step_s <= fastest * (1 + 1e-9))
     solution.schedule_options = options
     solution.candidates_solved, solution.candidates_total = solved, total
     return solution

@@ -250,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     except queue.Empty:
         failures.append(f"gave up after {args.time_limit:g} s (--time-limit)")
     finally:
-        for proc in procs:
-            proc.join(5.0 if not failures else 0.5)
-            if proc.is_alive():
-                proc.kill()
+        failures += stop_ranks(procs, 30.0 if not failures else 0.5)
     failure = "\n".join(failures) or None
     if failure is not None or rows is None:
         print(f"bench_channel: error: {failure}", file=sys.stderr)
@@ -261,6 +258,31 @@ def main(argv: list[str] | None = None) -> int:
     where = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(0)
     print_table(f"2 local processes, device {where}, addresses {','.join(args.addresses)}", rows)
     return 0
+
+
+def stop_ranks(procs: list, wait_s: float) -> list[str]:
+    """Join the rank processes (killing any still there after ``wait_s``) and
+    say how each that did not exit 0 ended: its numbers are no measurement."""
+    failures = []
+    for rank, proc in enumerate(procs):
+        proc.join(wait_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            failures.append(f"rank {rank} failed (did not exit within {wait_s:g} s; killed)")
+        elif proc.exitcode:
+            failures.append(f"rank {rank} failed ({exit_failure(proc.exitcode)})")
+    return failures
+
+
+def exit_failure(code: int) -> str:
+    """A process's non-zero exit code as 'exit N' or 'signal NAME' (multiprocessing's -N)."""
+    if code > 0:
+        return f"exit {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
 
 
 def print_table(setting: str, rows: list[tuple[str, int, int, float]]) -> None:

@@ -50,6 +50,8 @@ from hetpipe.comm.direct import DirectChannel
 from hetpipe.comm.mooncake_mover import MooncakeMover, rdma_devices, unavailable_reason
 from hetpipe.comm.tcp import TcpChannel
 
+from bench_channel import stop_ranks  # noqa: E402 - beside this script (sys.path[0] when run as one)
+
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 TRANSPORTS = ("tcp", "ipc", "mooncake-tcp", "mooncake-rdma")
@@ -188,21 +190,22 @@ def main(argv: list[str] | None = None) -> int:
         proc.start()
     got: dict[int, list[dict]] = {}
     until = time.monotonic() + args.time_limit
+    failures: list[str] = []
     try:
         while len(got) < 2:
             rank, status, value = results.get(timeout=max(until - time.monotonic(), 0.1))
             if status != "ok":
-                print(f"bench_mooncake: rank {rank} failed:\n{value}", file=sys.stderr)
-                return 1
+                failures.append(f"rank {rank} failed:\n{value}")
+                break
             got[rank] = value
     except queue.Empty:
-        print(f"bench_mooncake: abandoned after {args.time_limit:g} s", file=sys.stderr)
-        return 1
+        failures.append(f"abandoned after {args.time_limit:g} s")
     finally:
-        for proc in procs:
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
+        # A rank that delivered its numbers and then exited non-zero is a failed run too.
+        failures += stop_ranks(procs, 30.0 if not failures else 5.0)
+    if failures:
+        print("bench_mooncake: " + "\n".join(failures), file=sys.stderr)
+        return 1
     # Rank 0 timed the stream; rank 1 compared the bytes.
     def key(row: dict) -> tuple:
         return row["transport"], next(k for k in ("bytes", "registrations", "skipped", "error") if k in row), \

@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=1024)
     parser.add_argument("--gpus", type=int, nargs="+", default=[16, 128, 512, 1024])
     parser.add_argument("--repeats", type=int, default=3, help="report the fastest of this many runs")
-    parser.add_argument("--schedule", default="1f1b", help="planner.schedule: 1f1b (the default), auto, ...")
+    parser.add_argument("--schedule", default="1f1b", help="planner.schedule: 1f1b (this bench's default: the 1F1B search alone), auto (the planner's default), ...")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})

@@ -35,6 +35,13 @@ peer's --schedule (1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zb,
 zbv, dualpipev; see the peer's docstring). A bare ``peer`` runs once per --peer-schedules
 entry, as ``peer`` (1f1b) and ``peer+sched=NAME``; the table's "x peer" ratio
 is against the 1F1B peer.
+``--layers auto`` gives each hetpipe variant the planner's split for its own
+schedule and layout (``plan=auto``'s search with the run's stages, TP, DP,
+model, sequence, microbatches, precision and recomputation fixed; zb_v's four
+chunks in pipeline order), and the peer the nccl 1F1B run's; the table shows
+each run's split. A run whose process exits non-zero, dies of a signal or
+times out is "failed (exit N)" / "failed (signal NAME)" in the table and in
+results.json, with no throughput, and no ratio is taken against it.
 ``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
 peer then gets bf16 weights). The first ``--warmup`` steps are not timed (they
 include kernel loading and compilation); ``--profile`` adds one more, untimed,
@@ -62,17 +69,20 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hetpipe.errors import HetpipeError
+from hetpipe.errors import ConfigError, HetpipeError, fail, hydra_error_line
 from hetpipe.partitioner.plan import Plan, v_layers
+from hetpipe.partitioner.resolve import build_plan
 from hetpipe.partitioner.schedule_model import PLANNED_SCHEDULES
-from hetpipe.partitioner.solver import solve
-from hetpipe.pretrain_config import resolve
+from hetpipe.partitioner.solver import plan_for, solve
+from hetpipe.pretrain_config import PretrainConfig, register_configs, resolve
 from hetpipe.schedules import SCHEDULES
 
 # The peer's options sit beside this script (sys.path[0] when run as a script).
 from peer_options import SCHEDULES as PEER_SCHEDULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# The interpreter every run starts with (tests put a fake runner behind it).
+PYTHON = [sys.executable]
 
 VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 # hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.
@@ -119,10 +129,10 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
-    """The cost model's step time for the plan a run used: same split, TP, DP,
+def predicted(run_dir: Path):
+    """The planner's solution for the plan a run used: same split, TP, DP,
     group order, transport and optimizer sharding (``python -m hetpipe.plan``
-    with those fixed). Returns (seconds, "") or (None, why not)."""
+    with those fixed). Returns (solution, "") or (None, why not)."""
     try:
         cfg = resolve(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
         plan = Plan.load(run_dir / "plan.yaml")
@@ -142,34 +152,85 @@ def predicted_step_s(run_dir: Path) -> tuple[float | None, str]:
         transport="direct" if kind == "direct" else "cpu_forwarding",
         distributed_optimizer=cfg.optimizer.distributed)
     try:
-        return solve(cfg.model, cfg.cluster, cfg.train, planner, [s.layers for s in plan.stages]).step_s, ""
+        return solve(cfg.model, cfg.cluster, cfg.train, planner, [s.layers for s in plan.stages]), ""
     except HetpipeError as exc:
         return None, str(exc)
 
 
-def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path) -> dict:
-    counts = [int(n) for n in args.layers.split(",")]
-    layers = "[" + ",".join(str(n) for n in (v_layers(counts) if schedule == "zb_v" else counts)) + "]"
+def hetpipe_overrides(args, variant: str, flags: set[str], schedule: str,
+                      layers: list[int] | None) -> list[str]:
+    """``python -m hetpipe.pretrain``'s overrides for one run, its directory aside;
+    ``layers`` None leaves the split to the variant (tp2: an even one)."""
     # --microbatches is per DP replica: the per-GPU batch stays that of the 2-GPU run.
     replicas = 1 if args.gpus == 2 else (args.gpus // 4 if variant == "tp2" else args.gpus // 2)
-    overrides = [f"+model={args.model}", f"train.seq_length={args.seq_length}",
-                 f"train.micro_batch_size={args.micro_batch_size}",
-                 f"train.global_batch_size={args.micro_batch_size * args.microbatches * replicas}",
-                 f"train.train_iters={args.steps + (1 if args.profile else 0)}", "train.log_interval=1",
-                 f"train.compile={'compile' in flags}",
-                 *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
-                 f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
-                 f"optimizer.distributed={'zero1' in flags}", f"partition.schedule={schedule}",
-                 f"partition.num_chunks={2 if schedule == 'zb_v' else 1}",
-                 *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
-                 *[f"cluster.transport.gemm_sm_carveout={f[2:]}" for f in flags if f.startswith("sm")],
-                 *[f"optimizer.{k}={v}" for k, v in OPTIMIZER.items()],
-                 "logging.progress=false", f"data.path={args.data}",
-                 f"partition.layers={layers}", f"hydra.run.dir={out}", *variant_overrides(variant, args.gpus),
-                 *args.set]
-    cmd = [sys.executable, "-m", "hetpipe.pretrain", *overrides]
-    rc, elapsed = _run(cmd, out.with_suffix(".log"), args.timeout)
-    result = {"rc": rc, "wall_s": elapsed}
+    return [f"+model={args.model}", f"train.seq_length={args.seq_length}",
+            f"train.micro_batch_size={args.micro_batch_size}",
+            f"train.global_batch_size={args.micro_batch_size * args.microbatches * replicas}",
+            f"train.train_iters={args.steps + (1 if args.profile else 0)}", "train.log_interval=1",
+            f"train.compile={'compile' in flags}",
+            *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
+            f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
+            f"optimizer.distributed={'zero1' in flags}", f"partition.schedule={schedule}",
+            f"partition.num_chunks={2 if schedule == 'zb_v' else 1}",
+            *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
+            *[f"cluster.transport.gemm_sm_carveout={f[2:]}" for f in flags if f.startswith("sm")],
+            *[f"optimizer.{k}={v}" for k, v in OPTIMIZER.items()],
+            "logging.progress=false", f"data.path={args.data}",
+            *([f"partition.layers=[{','.join(map(str, layers))}]"] if layers is not None else []),
+            *variant_overrides(variant, args.gpus), *args.set]
+
+
+def run_config(overrides: list[str]) -> PretrainConfig:
+    """The config ``python -m hetpipe.pretrain OVERRIDES`` runs, composed as hydra composes it."""
+    from hydra import compose, initialize_config_module
+
+    register_configs()
+    with initialize_config_module("hetpipe.configs", version_base=None):
+        return resolve(compose("pretrain", overrides=overrides))
+
+
+def planned_split(cfg: PretrainConfig) -> list[int]:
+    """The planner's split for a run: decoder layers per virtual stage, in pipeline
+    order, for the layout its partition settings make (stages per group, TP, DP,
+    group order) under its schedule, recomputation and optimizer sharding; the
+    cluster's device types resolve as plan=auto resolves them (auto: detected)."""
+    layout = build_plan(dataclasses.replace(cfg.partition, layers=None), cfg.cluster, cfg.model)
+    physical = layout.stages[: layout.pipeline_size]
+    tps = {s.tp for s in physical}
+    if len(tps) > 1:
+        raise ConfigError(f"the planner fixes one TP degree for all groups, not {sorted(tps)}")
+    recompute = cfg.train.recompute or "none"
+    if not isinstance(recompute, str):
+        raise ConfigError(f"the planner takes one recomputation mode, not train.recompute={list(recompute)}")
+    planner = dataclasses.replace(
+        cfg.planner, schedule=cfg.partition.schedule, recompute=recompute, tp=tps.pop(), dp=physical[0].dp,
+        stages=[sum(s.group == g.name for s in physical) for g in cfg.cluster.groups],
+        group_order=list(dict.fromkeys(s.group for s in physical)), micro_batch_sizes=None,
+        distributed_optimizer=cfg.optimizer.distributed)
+    return [s.layers for s in plan_for(cfg.model, cfg.cluster, cfg.train, planner).stages]
+
+
+def run_split(args, base: str, flags: set[str], schedule: str) -> list[int] | None:
+    """One run's partition.layers: --layers as given (zb_v halves each rank's count
+    into its V) or, with --layers auto, the planner's split for the run's schedule.
+    The peer takes the nccl 1F1B run's split; tp2 keeps its even one (None)."""
+    if base == "tp2":
+        return None
+    if base == "peer":
+        return run_split(args, "nccl", flags & {"compile"}, "1f1b")
+    if args.layers != "auto":
+        counts = [int(n) for n in args.layers.split(",")]
+        return v_layers(counts) if schedule == "zb_v" else counts
+    return planned_split(run_config(hetpipe_overrides(args, base, flags, schedule, None)))
+
+
+def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, layers: list[int] | None) -> dict:
+    overrides = [*hetpipe_overrides(args, variant, flags, schedule, layers), f"hydra.run.dir={out}"]
+    cmd = [*PYTHON, "-m", "hetpipe.pretrain", *overrides]
+    result = _run(cmd, out.with_suffix(".log"), args.timeout)
+    result["layers"] = layers
+    if "failed" in result:
+        return result  # whatever it logged before it failed is no measurement
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -179,7 +240,10 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path) -
                       tokens_per_s=mean([r["tokens_per_s"] for r in timed]),
                       mfu=mean([r["mfu"] for r in timed if r["mfu"] is not None]),
                       step_time_s=mean([r["step_time_s"] for r in timed]))
-        result["predicted_step_s"], why = predicted_step_s(out)
+        solution, why = predicted(out)
+        result["predicted_step_s"] = solution.step_s if solution else None
+        # One per pipeline rank, as peak_mem_gib (the model's stage memory, recomputation included).
+        result["predicted_mem_gib"] = [st.memory_gib for st in solution.stages] if solution else None
         if why:
             result["predicted_note"] = why
     # The first lines of each rank's profile: busy time and time by kernel class.
@@ -191,11 +255,12 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path) -
     return result
 
 
-def run_peer(args, compiled: bool, schedule: str, out: Path) -> dict:
+def run_peer(args, compiled: bool, schedule: str, out: Path, layers: list[int]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     result_path = out / "result.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_pipelining_peer.py"), "--model", args.model,
-           "--layers", args.layers, "--seq-length", str(args.seq_length),
+    result_path.unlink(missing_ok=True)  # an earlier run's result is not this one's
+    cmd = [*PYTHON, str(REPO / "scripts" / "bench_pipelining_peer.py"), "--model", args.model,
+           "--layers", ",".join(map(str, layers)), "--seq-length", str(args.seq_length),
            "--micro-batch-size", str(args.micro_batch_size), "--microbatches", str(args.microbatches),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--data", args.data,
            "--device", "cuda", "--schedule", schedule, "--out", str(result_path), "--opt", *[f"{k}={v}" for k, v in OPTIMIZER.items()]]
@@ -210,9 +275,9 @@ def run_peer(args, compiled: bool, schedule: str, out: Path) -> dict:
         # The peer's bf16 compute: bf16 parameters (it has no fp32 main copies,
         # so it keeps 8 bytes per parameter to hetpipe's 18).
         cmd.append("--bf16-weights")
-    rc, elapsed = _run(cmd, out.with_suffix(".log"), args.timeout)
-    result = {"rc": rc, "wall_s": elapsed}
-    if result_path.exists():
+    result = _run(cmd, out.with_suffix(".log"), args.timeout)
+    result["layers"] = layers
+    if "failed" not in result and result_path.exists():
         peer = json.loads(result_path.read_text())
         result.update(losses=peer.get("losses"), tflops_per_gpu=peer.get("tflops_per_gpu"),
                       tokens_per_s=peer.get("tokens_per_s"), peak_mem_gib=peer.get("peak_mem_gib", []),
@@ -220,7 +285,9 @@ def run_peer(args, compiled: bool, schedule: str, out: Path) -> dict:
     return result
 
 
-def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+def _run(cmd: list[str], log: Path, timeout: float) -> dict:
+    """Run ``cmd`` into ``log``: {"rc", "wall_s"}, and "failed" (exit N, signal
+    NAME, timeout) unless it exited 0 in time."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     start = time.perf_counter()
@@ -231,36 +298,58 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
         # (they hold the GPUs; the next variant would start out of memory).
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+        failed = None
         try:
             rc = proc.wait(timeout=timeout)
+            failed = exit_failure(rc)
         except subprocess.TimeoutExpired:
-            rc = 124
+            rc, failed = 124, f"timeout after {timeout:g} s"
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc.wait()
-    return rc, time.perf_counter() - start
+    result = {"rc": rc, "wall_s": time.perf_counter() - start}
+    return {**result, "failed": failed} if failed else result
+
+
+def exit_failure(rc: int) -> str | None:
+    """How a run with exit status ``rc`` (Popen's: -N for signal N) failed; None: it did not."""
+    if rc == 0:
+        return None
+    if rc > 0:
+        return f"exit {rc}"
+    try:
+        return f"signal {signal.Signals(-rc).name}"
+    except ValueError:
+        return f"signal {-rc}"
+
+
+def _throughput(results: dict[str, dict], base: str) -> float | None:
+    """TFLOP/s/GPU of the first run of ``base`` that did not fail (a ratio's reference)."""
+    return next((r["tflops_per_gpu"] for name, r in results.items()
+                 if name.split("+")[0] == base and "failed" not in r and r.get("tflops_per_gpu")), None)
 
 
 def table(results: dict[str, dict], args) -> str:
-    # The reference is the first nccl variant (with whatever flags it ran).
-    ref = next((r.get("tflops_per_gpu") for name, r in results.items() if name.split("+")[0] == "nccl"), None)
-    peer = results.get("peer", {}).get("tflops_per_gpu")
+    # The reference is the first nccl variant that did not fail (with whatever flags it ran).
+    ref = _throughput(results, "nccl")
+    peer = results.get("peer", {}).get("tflops_per_gpu") if "failed" not in results.get("peer", {}) else None
     gpus = getattr(args, "gpus", 2)
     lines = [f"{args.model}, {gpus} GPUs, {getattr(args, 'precision', 'bf16')}, seq {args.seq_length}, "
              f"micro-batch {args.micro_batch_size}, "
-             f"{args.microbatches} microbatches per DP replica, split {args.layers}, {args.steps} steps "
-             f"({args.warmup} untimed)", "",
-             "| variant | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1, ...) | vs nccl "
+             f"{args.microbatches} microbatches per DP replica, split {_split_setting(args)}, {args.steps} "
+             f"steps ({args.warmup} untimed)", "",
+             "| variant | split | TFLOP/s/GPU | tokens/s | MFU | peak mem GiB (GPU0, GPU1, ...; predicted) | vs nccl "
              "| step s (predicted) | loss, last step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
-        tf = r.get("tflops_per_gpu")
+        tf = None if "failed" in r else r.get("tflops_per_gpu")
+        split = ",".join(map(str, r["layers"])) if r.get("layers") else "even"
         if tf is None:
-            status = r.get("status") or ("timeout" if r["rc"] == 124 else f"failed rc={r['rc']}")
-            lines.append(f"| {name} | {status} | - | - | {_mem(r)} | - | - | - |")
+            status = f"failed ({r['failed']})" if "failed" in r else (r.get("status") or "no step timed")
+            lines.append(f"| {name} | {split} | {status} | - | - | {_mem(r)} | - | - | - |")
             continue
         ratio = f"{tf / ref:.3f}" if ref else "-"
         if name.split("+")[0] == "nccl" and peer:
@@ -270,14 +359,22 @@ def table(results: dict[str, dict], args) -> str:
         step = f"{r['step_time_s']:.3f}" if r.get("step_time_s") else "-"
         if r.get("predicted_step_s"):
             step += f" ({r['predicted_step_s']:.3f})"
-        lines.append(f"| {name} | {tf:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {_mem(r)} | {ratio} | {step} "
-                     f"| {loss} |")
+        lines.append(f"| {name} | {split} | {tf:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {_mem(r)} | {ratio} "
+                     f"| {step} | {loss} |")
     return "\n".join(lines)
+
+
+def _split_setting(args) -> str:
+    layers = getattr(args, "layers", "-")
+    return "the planner's per schedule (--layers auto)" if layers == "auto" else layers
 
 
 def _mem(r: dict) -> str:
     mem = r.get("peak_mem_gib") or []
-    return ", ".join("-" if m is None else f"{m:.1f}" for m in mem) if mem else "-"
+    text = ", ".join("-" if m is None else f"{m:.1f}" for m in mem) if mem else "-"
+    if r.get("predicted_mem_gib"):
+        text += " (" + ", ".join(f"{m:.1f}" for m in r["predicted_mem_gib"]) + ")"
+    return text
 
 
 def main() -> None:
@@ -289,7 +386,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--layers", default="17,15",
                    help="decoder layers of stage 0 and stage 1 (on 2xH200 at seq 8192, 17,15 measured fastest "
-                        "for LLaMA-3-8B and 15,13 for Qwen2-7B)")
+                        "under 1F1B for LLaMA-3-8B and 15,13 for Qwen2-7B), or auto: the planner's split for "
+                        "each variant's schedule")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--data", default="demo")
@@ -309,6 +407,8 @@ def main() -> None:
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    if args.layers != "auto" and not re.fullmatch(r"[0-9]+(,[0-9]+)+", args.layers):
+        p.error(f"--layers {args.layers!r}: give per-stage counts (17,15) or auto")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     peer_schedules = args.peer_schedules.split(",")
@@ -342,15 +442,18 @@ def main() -> None:
         if base == "peer" and args.gpus != 2:
             p.error("the pipelining peer runs on two GPUs only")
         runs.append((variant, base, flags, next((f.removeprefix("sched=") for f in sched_flags), "1f1b")))
+    splits = {variant: _split_or_fail(args, variant, base, flags, schedule) for variant, base, flags, schedule in runs}
     results: dict[str, dict] = {}
     for variant, base, flags, schedule in runs:
         print(f"== {variant}", flush=True)
         # No "=" in the directory: it goes into hydra.run.dir's override.
         run_dir = out / variant.replace("+", "_").replace("=", "-")
-        results[variant] = (run_peer(args, "compile" in flags, schedule, run_dir) if base == "peer"
-                            else run_hetpipe(args, base, flags, schedule, run_dir))
+        layers = splits[variant]
+        results[variant] = (run_peer(args, "compile" in flags, schedule, run_dir, layers) if base == "peer"
+                            else run_hetpipe(args, base, flags, schedule, run_dir, layers))
         r = results[variant]
-        print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  TFLOP/s/GPU {r.get('tflops_per_gpu')}  "
+        outcome = f"FAILED ({r['failed']})" if "failed" in r else f"TFLOP/s/GPU {r.get('tflops_per_gpu')}"
+        print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  split {layers or 'even'}  {outcome}  "
               f"peak mem {r.get('peak_mem_gib')}", flush=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = table(results, args)
@@ -359,6 +462,18 @@ def main() -> None:
         for report in r.get("profile") or []:
             print(f"-- {name}: {report}")
     print(text)
+
+
+def _split_or_fail(args, variant: str, base: str, flags: set[str], schedule: str) -> list[int] | None:
+    """:func:`run_split`, or one line and exit 2 (before any run starts)."""
+    from hydra.errors import HydraException
+
+    try:
+        return run_split(args, base, flags, schedule)
+    except HetpipeError as exc:
+        fail(f"--layers {args.layers}, variant {variant}: {exc}")
+    except HydraException as exc:
+        fail(f"--layers {args.layers}, variant {variant}: {hydra_error_line(exc)}")
 
 
 if __name__ == "__main__":

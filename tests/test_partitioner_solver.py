@@ -62,7 +62,8 @@ def test_search_equals_exhaustive_enumeration_on_random_clusters():
                             seq_length=int(rng.choice([2048, 8192])))
         # Small memories make many candidates infeasible, so memory shapes the answer.
         catalog = {d: {"memory_gib": float(rng.uniform(12, 60))} for d in devices}
-        planner = PlannerConfig(catalog=catalog, micro_batch_sizes=[1, 2],
+        # 1f1b: the exhaustive reference prices contiguous splits (zb_v's V is not one).
+        planner = PlannerConfig(catalog=catalog, micro_batch_sizes=[1, 2], schedule="1f1b",
                                 distributed_optimizer=bool(rng.integers(0, 2)))
         expected = exhaustive(model, cluster, train, planner)
         if expected is None:
@@ -106,7 +107,8 @@ def _stage_memory_bytes(solution, planner, train):
 def test_returned_plan_fits_memory_and_memory_moves_the_split():
     model = model_preset("llama8b")
     train = TrainConfig(micro_batch_size=1, global_batch_size=64, seq_length=8192)
-    fixed = dict(tp=1, dp=8, stages=[1, 1], group_order=["nvidia", "amd"], recompute="none")
+    # 1f1b: _stage_memory_bytes counts 1F1B's microbatches in flight.
+    fixed = dict(tp=1, dp=8, stages=[1, 1], group_order=["nvidia", "amd"], recompute="none", schedule="1f1b")
     roomy = solve(model, paper_cluster(), train, PlannerConfig(**fixed))
     for need, have in _stage_memory_bytes(roomy, PlannerConfig(**fixed), train):
         assert need <= have
@@ -131,11 +133,14 @@ def test_same_inputs_same_plan_and_ranks_are_consistent():
     assert Plan.from_dict(__import__("yaml").safe_load(plan.to_yaml())) == plan
     cluster = paper_cluster()
     seen = set()
-    for st in plan.stages:
+    # The default schedule is auto's choice; a V's second chunks sit on the first P stages' ranks.
+    physical = plan.stages[:plan.pipeline_size]
+    for st in physical:
         group = [g.name for g in cluster.groups].index(st.group)
         assert len(st.ranks) == st.tp * st.dp and set(st.ranks) <= set(cluster.group_ranks(group))
         assert not seen & set(st.ranks)
         seen |= set(st.ranks)
+    assert all(st.ranks in [p.ranks for p in physical] for st in plan.stages)
     assert len({st.dp for st in plan.stages}) == 1  # Megatron: one DP degree
     assert plan.num_layers == model.num_layers
     assert plan.notes["num_microbatches"] * plan.notes["micro_batch_size"] * plan.stages[0].dp == 128
@@ -214,7 +219,8 @@ def test_a_profile_replaces_the_analytic_costs(tmp_path):
              "units": {"embedding": unit, "layer": unit, "head": unit}}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "devices": {"CPU": [entry]}}))
-    measured = solve(model, cluster, train, PlannerConfig(profile=str(path)))
+    # 1f1b: one stage per rank, whose compute the per-unit profile gives below.
+    measured = solve(model, cluster, train, PlannerConfig(profile=str(path), schedule="1f1b"))
     assert measured.cost_source == {"nvidia": "profile", "amd": "profile"}
     assert analytic.cost_source == {"nvidia": "analytic", "amd": "analytic"}
     # Per unit 0.03 s at microbatch 1, scaled to microbatch 2, times 4 microbatches.

@@ -53,7 +53,9 @@ def test_an_exception_on_one_rank_is_the_cause_its_peers_report(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, (proc.returncode, out[-3000:])
     cause = "rank 1 failed: RuntimeError: injected fault at step of step 2 on rank 1 (traceback on its node)"
-    assert sorted(error_lines(proc.stderr)) == [f"hetpipe: error: [rank {r}] {cause}" for r in (0, 1)], out[-3000:]
+    # One line for the job, by whichever rank got there first; both ranks end with its status.
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and re.fullmatch(r"hetpipe: error: \[rank [01]\] " + re.escape(cause), lines[0]), out[-3000:]
     assert proc.stderr.count("Traceback") == 1 and "lost" not in proc.stderr, out[-3000:]
 
 
@@ -71,14 +73,14 @@ def test_the_node_whose_rank_was_killed_reports_the_sigkill(tmp_path, emulated_n
     cause = re.compile(r"node 1 of 2: rank 2 \(pid \d+\) was killed by SIGKILL")
     node1 = runs[1].errors()
     assert codes == [1, 1], (codes, outputs[0][-2500:], outputs[1][-2500:])
-    # Node 1's launcher says it first; its rank 3 says the same, from the job's
+    # Node 1's launcher says it first; its rank 3 may say the same, from the job's
     # store, unless the launcher's SIGTERM stopped it before (torch's agent stops
     # a node's other ranks as soon as it sees one die).
     assert node1[0].startswith("hetpipe: error: node 1 of 2: "), outputs[1][-3000:]
     assert all(cause.search(line) for line in node1), node1
     # Node 0's ranks read the same cause, not their lost connections to node 1.
     node0 = runs[0].errors()
-    assert len(node0) == 2 and all(cause.search(line) for line in node0), outputs[0][-3000:]
+    assert len(node0) == 1 and cause.search(node0[0]), outputs[0][-3000:]  # one line per node
     assert all("Traceback" not in out for out in outputs)
 
 
