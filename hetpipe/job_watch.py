@@ -6,8 +6,8 @@ closed by peer"), one waiting on a neighbour of its own node that already
 left, one killed by its launcher because a sibling exited. Each would say
 something different, or nothing, or print a traceback. So the first rank that
 knows the *cause* posts it under one key of the job's store (first post wins,
-``compare_set``), and every rank prints that same line and exits with the
-status posted with it - 3 (``EXIT_LOST_PEER``) for a node, link or peer that
+``compare_set``), and every rank exits with the status posted with it (the
+first of a node's ranks to stop prints the line, once per node) - 3 (``EXIT_LOST_PEER``) for a node, link or peer that
 failed, 1 (``EXIT_CRASH``) for a crashed rank, 4 (``EXIT_OUT_OF_MEMORY``) for
 a device out of memory (:mod:`hetpipe.memory_fit`), 2 only for bad input - which
 the launchers read as "this rank already said why":

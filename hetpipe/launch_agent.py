@@ -14,7 +14,7 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
   killed by a signal cannot say why; the agent posts "rank 1 (pid ...) was
   killed by SIGKILL" (with "probably by the kernel's out-of-memory killer" when
   its cgroup's OOM count rose, :mod:`hetpipe.exit_cause`) as the job's verdict
-  (:mod:`hetpipe.job_watch`), which every other rank, on every node, prints
+  (:mod:`hetpipe.job_watch`), which every other node prints once
   instead of the connection it lost (those wait ``job_watch._GRACE_S`` for a
   better cause), and prints it itself. A rank that exited 1, 2, 3 or 4 printed
   its own line; the launcher adds none and exits with that status.

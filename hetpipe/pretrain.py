@@ -8,7 +8,13 @@ input end in one ``hetpipe: error:`` line and exit status 2.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+if __name__ == "__main__":  # before torch loads here: the ranks' server imports it meanwhile
+    from hetpipe.launch import prestart
+
+    prestart(sys.argv[1:])
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
