@@ -54,9 +54,13 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     so gradients accumulate in the same order as a single-process run.
     """
     _check_sizes(num_stages, num_microbatches, 1)
+    return _with_communication(_gpipe_orders(num_stages, num_microbatches), Placement("gpipe", num_stages))
+
+
+def _gpipe_orders(num_stages: int, num_microbatches: int) -> list[list[Compute]]:
     order = [(FWD, m, 0) for m in range(num_microbatches)]
     order += [(BWD, m, 0) for m in range(num_microbatches)]
-    return _with_communication([order] * num_stages, Placement("gpipe", num_stages))
+    return [order] * num_stages
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -67,6 +71,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     most ``P - s`` microbatches hold activations on it at once.
     """
     _check_sizes(num_stages, num_microbatches, 1)
+    return _with_communication(_one_f_one_b_orders(num_stages, num_microbatches), Placement("1f1b", num_stages))
+
+
+def _one_f_one_b_orders(num_stages: int, num_microbatches: int) -> list[list[Compute]]:
     orders = []
     for rank in range(num_stages):
         warmup = min(num_stages - rank - 1, num_microbatches)
@@ -75,7 +83,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
             order += [(FWD, m + warmup, 0), (BWD, m, 0)]
         order += [(BWD, m, 0) for m in range(num_microbatches - warmup, num_microbatches)]
         orders.append(order)
-    return _with_communication(orders, Placement("1f1b", num_stages))
+    return orders
 
 
 def interleaved_one_f_one_b(
@@ -127,6 +135,10 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
     Ws run in microbatch order, so weight gradients accumulate as in 1F1B.
     """
     _check_sizes(num_stages, num_microbatches, 1)
+    return _with_communication(_zero_bubble_h1_orders(num_stages, num_microbatches), Placement("zb_h1", num_stages))
+
+
+def _zero_bubble_h1_orders(num_stages: int, num_microbatches: int) -> list[list[Compute]]:
     orders = []
     for rank in range(num_stages):
         warmup = min(num_stages - rank - 1, num_microbatches)
@@ -148,7 +160,7 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
                 order.append(weight())
         order += [weight() for _ in range(next_w, num_microbatches)]
         orders.append(order)
-    return _with_communication(orders, Placement("zb_h1", num_stages))
+    return orders
 
 
 def zb_v(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -201,6 +213,22 @@ def build_schedule(
     if name == "zb_h1":
         return zero_bubble_h1(num_stages, num_microbatches)
     return one_f_one_b(num_stages, num_microbatches)
+
+
+def compute_orders(name: str, num_stages: int, num_microbatches: int,
+                   num_chunks: int = 1) -> list[list[Compute]]:
+    """Each rank's computations under the schedule ``name``, in the order
+    :func:`build_schedule` lists them, without its sends and receives (each
+    send follows the computation that produced it: :func:`output_stage` and
+    :func:`input_stage` on another rank say which do). What the planner's
+    memory model walks (hetpipe/partitioner/schedule_model.py), cheaply."""
+    _check_sizes(num_stages, num_microbatches, num_chunks)
+    makers = {"gpipe": _gpipe_orders, "1f1b": _one_f_one_b_orders, "zb_h1": _zero_bubble_h1_orders,
+              "zb_v": v_orders}
+    if name in makers and num_chunks == (2 if name == "zb_v" else 1):
+        return makers[name](num_stages, num_microbatches)
+    return [[(a.kind, a.microbatch, a.chunk) for a in actions if a.peer is None]
+            for actions in build_schedule(name, num_stages, num_microbatches, num_chunks)]
 
 
 def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> None:

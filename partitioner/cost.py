@@ -17,7 +17,10 @@ catalog otherwise:
   distributed optimizer), in bf16 mode a bf16 working copy of the weights (2),
   plus per in-flight microbatch the saved activations and, under bf16
   autocast, the bf16 copies of the weights autocast made for that microbatch
-  (autograd keeps them for the backward);
+  (autograd keeps them for the backward); under the zero-bubble schedules
+  what B keeps for W and what W holds (:func:`weight_pass_bytes`); how many
+  of each a rank holds at once is the schedule's
+  (:func:`hetpipe.partitioner.schedule_model.memory_rows`);
 * links: TP all-reduces on the intra-node fabric, stage boundaries over the
   fabric, the network (device-direct) or CPU-forwarding's two host copies plus
   TCP; DP gradient all-reduces as a ring over the slowest link of the group.
@@ -88,6 +91,11 @@ class Precision:
     fused_elementwise: bool = False
     # bf16-pure: bf16 parameters, gradients and AdamW state.
     pure_bf16: bool = False
+    # bf16 with gradient-accumulation fusion (train.grad_accumulation_fusion,
+    # not under train.compile): the decoder linears' weight-gradient GEMMs
+    # add straight into fp32 .grad (hetpipe/precision.py), which decides what
+    # a zero-bubble W holds (weight_pass_bytes).
+    fused_linear_grads: bool = False
 
     @property
     def grad_bytes(self) -> int:
@@ -104,14 +112,17 @@ class Precision:
 
     @classmethod
     def for_device(cls, spec: DeviceSpec, precision: str = "auto", fuse_elementwise: Optional[bool] = None,
-                   compiled: bool = False) -> "Precision":
+                   compiled: bool = False, grad_accumulation_fusion: bool = True) -> "Precision":
         """The trainer's rules: ``auto`` is bf16 on GPUs and fp32 on CPUs; fused
-        elementwise kernels on GPUs unless whole layers are compiled."""
+        elementwise kernels on GPUs unless whole layers are compiled; in bf16,
+        gradient-accumulation fusion unless turned off or compiled
+        (hetpipe/trainer.py)."""
         device_type = "cpu" if spec.vendor == "cpu" else "cuda"
         mode = resolve_precision(precision, device_type)
         fused = fuses_elementwise(fuse_elementwise, device_type, compiled, local=False)
         if mode == "bf16":
-            return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2, fused_elementwise=fused)
+            return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2, fused_elementwise=fused,
+                       fused_linear_grads=grad_accumulation_fusion and not compiled)
         if mode == "bf16-pure":
             return cls(matmul_bytes=2, residual_bytes=2, fused_elementwise=fused, pure_bf16=True)
         return cls(matmul_bytes=2 if mode == "bf16-autocast" else 4, fused_elementwise=fused)
@@ -159,6 +170,13 @@ class UnitCosts:
     activation_bytes: np.ndarray
     # Working memory while the unit runs (freed afterwards).
     transient_bytes: np.ndarray
+    # Zero-bubble schedules (weight_pass_bytes): kept from a microbatch's B
+    # to its W on top of its activations, and what its W holds while it runs
+    # (the weight gradients it materialises, and of them what stays until the
+    # W ends once the inputs it frees are taken off).
+    weight_kept_bytes: np.ndarray
+    weight_grad_bytes: np.ndarray
+    weight_net_bytes: np.ndarray
     # One activation (or gradient) message at a stage boundary, per device.
     boundary_bytes: float
     # "analytic" or "profile".
@@ -252,6 +270,45 @@ def head_activation_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Pre
     kept = b * s * (_norm_bytes(model.hidden_size, prec) + 8 + 4.0 * v / tp)
     transient = b * s * (e + 4.0 + 4.0) * v / tp
     return float(kept), float(transient)
+
+
+def weight_pass_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Precision
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per unit, what a zero-bubble schedule's split backward holds
+    (hetpipe/models/split_backward.py): (kept from B to W, weight gradients
+    W materialises, of those what stays until W ends), per microbatch and device.
+
+    B runs autograd with ``retain_graph`` (the activations stay until W) and
+    keeps, for W, the gradient entering every weight GEMM: the output
+    gradients of qkv, the output projection, gate/up and down (e bytes; the
+    column-parallel ones split by TP, the row-parallel ones whole), in the
+    eager path also those entering the two norms' weight products, and on
+    the first stage the embedding output's gradient. The fused loss keeps
+    its weight gradient from the forward (in the head's activations), so the
+    head keeps nothing more.
+
+    W, under gradient-accumulation fusion (bf16 on GPUs), runs the queued
+    GEMMs into fp32 ``.grad`` in place: nothing more. Otherwise it reruns
+    each GEMM node for its weight edge and backpropagates all the weight
+    gradients it collected at once (WeightBackward.run): a layer's linear
+    weights' size in gradients (e bytes), less the GEMM inputs the reruns
+    free (nothing else saved the two norms' outputs and SwiGLU's: measured on
+    CPU with tiny_llama, W freed 22 % of a microbatch's saved bytes).
+    """
+    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_query_groups,
+                     model.head_dim, model.ffn_hidden_size)
+    e, r = prec.matmul_bytes, prec.residual_bytes
+    norms = 0 if prec.fused_elementwise else 2 * h * r
+    layer = b * s * (e * (((a + 2 * g) * d + 2 * f) / tp + 2 * h) + norms)
+    kept = np.full(model.num_units, float(layer))
+    kept[0] = b * s * h * r
+    kept[-1] = 0.0 if prec.fused_elementwise else b * s * h * r
+    grad = np.zeros(model.num_units)
+    if not prec.fused_linear_grads:
+        split, _ = layer_params(model)
+        grad[1:-1] = split / tp * e
+    freed = b * s * (2 * h + f / tp) * e
+    return kept, grad, np.maximum(0.0, grad - freed)
 
 
 # -- links ---------------------------------------------------------------------------
@@ -369,8 +426,10 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
         tp_comm[0] = ar(b * s * h * r)
         tp_comm[-1] = ar(b * s * h * e) + 3 * ar(b * s * 4.0)
 
+    kept, wgrad, wnet = weight_pass_bytes(model, b, s, tp, prec)
     return UnitCosts(forward_s=fwd, backward_s=bwd, tp_comm_s=tp_comm, flops=3.0 * flops_fwd, params=params,
-                     activation_bytes=act, transient_bytes=transient,
+                     activation_bytes=act, transient_bytes=transient, weight_kept_bytes=kept,
+                     weight_grad_bytes=wgrad, weight_net_bytes=wnet,
                      boundary_bytes=float(b * s * h * r / tp), source=source)
 
 
@@ -418,7 +477,15 @@ def _analytic_memory(model: ModelConfig, b: int, s: int, tp: int, prec: Precisio
     act = np.array([8.0 * b * s] + [layer] * model.num_layers + [head_kept + copies[-1]])
     # A layer's backward briefly holds gradients of its widest intermediates.
     layer_transient = b * s * (2 * model.ffn_hidden_size * e / tp + 2 * h * r)
-    transient = np.array([b * s * h * r] + [layer_transient] * model.num_layers + [head_transient])
+    # The embedding's backward makes a dense gradient of its table, in the
+    # weight's dtype (the bf16 working copy, bf16-pure's bf16 table, else
+    # fp32), which a working copy's cast turns into fp32 before it is added
+    # to .grad: 3.06 GiB measured for LLaMA-3's table in bf16 on an H200
+    # (0.98 + 1.96 GiB), 1.11 in bf16-pure (the built-in profiles).
+    table = model.vocab_size * h / tp
+    weight_bytes = prec.working_copy_bytes or (2 if prec.pure_bf16 else 4)
+    embedding_transient = b * s * h * r + table * weight_bytes + (table * GRAD_BYTES if prec.working_copy_bytes else 0)
+    transient = np.array([embedding_transient] + [layer_transient] * model.num_layers + [head_transient])
     return act, transient
 
 

@@ -14,9 +14,10 @@ devices - no recomputation, selective recomputation of every layer, or full
 recomputation of its first N layers with N the fewest that fit (each layer
 recomputed saves the same bytes for the same time, so fewer is cheaper).
 The split search then sees one time and one fits-or-not per range, as before.
-The schedule (:mod:`hetpipe.partitioner.schedule_model`) sets how many
-microbatches each stage keeps, which recomputation modes it may run, and each
-stage's share of the fill/drain path.
+The schedule (:mod:`hetpipe.partitioner.schedule_model`) sets what each
+stage keeps at its peaks (``memory_rows``: microbatches in flight, zero
+bubble's B-to-W gradients, messages sent), which recomputation modes it may
+run, and each stage's share of the fill/drain path.
 """
 from __future__ import annotations
 
@@ -66,10 +67,17 @@ class _GroupCosts:
     static: np.ndarray
     act: np.ndarray
     transient: np.ndarray
+    # Zero bubble: kept from B to W per microbatch, and held while W runs
+    # (cost.weight_pass_bytes: the net gradients of the range, and one unit's
+    # all at once).
+    kept: np.ndarray
+    wgrad: np.ndarray
     sync: np.ndarray
     capacity: float
     # Parameters per device, for one sync over two ranges (zb_v's chunks).
     params: np.ndarray
+    # One boundary message per device (the sends a rank holds, memory_rows).
+    boundary: float
 
 
 @dataclass
@@ -117,7 +125,8 @@ class CostContext:
         self.names = [g.name for g in self.groups]
         self.device_types = [_device_type(g, self.catalog) for g in self.groups]
         self.specs: list[DeviceSpec] = [device_spec(d, self.catalog) for d in self.device_types]
-        self.precisions = [cost.Precision.for_device(s, train.precision, train.fuse_elementwise, train.compile)
+        fusion = getattr(train, "grad_accumulation_fusion", True)
+        self.precisions = [cost.Precision.for_device(s, train.precision, train.fuse_elementwise, train.compile, fusion)
                            for s in self.specs]
         self.starts = [sum(g.size for g in self.groups[:i]) for i in range(len(self.groups))]
         self.net = planner.network
@@ -180,8 +189,10 @@ class CostContext:
         capacity = self.memory_gib(g) * cost.GIB * self.planner.memory_headroom
         weight = _range_sums(schedule_model.weight_backward_s(self.model, mbs, self.train.seq_length,
                                                               uc.forward_s, uc.backward_s))
+        wgrad = _range_sums(uc.weight_net_bytes) + _range_max(uc.weight_grad_bytes)
         gcosts = _GroupCosts(time, weight, static, _range_sums(uc.activation_bytes),
-                             _range_max(uc.transient_bytes), sync, capacity, params)
+                             _range_max(uc.transient_bytes), _range_sums(uc.weight_kept_bytes), wgrad, sync,
+                             capacity, params, uc.boundary_bytes)
         self._groups[key] = gcosts
         return gcosts
 
@@ -195,12 +206,13 @@ class CostContext:
         """Memory of one device of group ``g``: ``planner.memory_gib``'s, else the catalog's."""
         return (self.planner.memory_gib or {}).get(self.names[g], self.specs[g].memory_gib)
 
-    def stage_choice(self, g: int, tp: int, dp: int, mbs: int, inflight: int, alone: bool,
+    def stage_choice(self, g: int, tp: int, dp: int, mbs: int, rows: np.ndarray, alone: bool,
                      modes: tuple[str, ...]) -> _StageChoice:
         """For every unit range, the cheapest recomputation of ``modes`` that fits
-        a stage of group ``g`` keeping ``inflight`` microbatches (ties: less
+        a stage of group ``g`` whose rank holds what ``rows`` count
+        (:func:`~hetpipe.partitioner.schedule_model.memory_rows`; ties: less
         recomputation)."""
-        key = (g, tp, dp, mbs, inflight, alone, modes)
+        key = (g, tp, dp, mbs, rows.shape, rows.tobytes(), alone, modes)
         if key in self._choices:
             return self._choices[key]
         base = self.group_costs(g, tp, dp, mbs, "none", alone)
@@ -211,9 +223,10 @@ class CostContext:
             if mode not in modes:
                 continue
             gc = self.group_costs(g, tp, dp, mbs, mode, alone)
-            every = gc.static + inflight * gc.act + gc.transient
+            every = gc.static + gc.transient + schedule_model.peak_bytes(rows, [gc.act], [gc.kept], [gc.wgrad],
+                                                                         gc.boundary)
             if mode == "full" and self.planner.recompute == "auto":
-                time, memory, count = self._fewest_full_layers(g, tp, mbs, alone, base, gc, inflight)
+                time, memory, count = self._fewest_full_layers(g, tp, mbs, alone, base, gc, rows)
                 options.append((time, memory, every, m, count))
             else:
                 options.append((gc.time, every, every, m, np.zeros_like(layers) if mode == "none" else layers))
@@ -233,24 +246,35 @@ class CostContext:
         return chosen
 
     def _fewest_full_layers(self, g: int, tp: int, mbs: int, alone: bool, base: _GroupCosts, full: _GroupCosts,
-                            inflight: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                            rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(time, memory, N) of full recomputation of the fewest first N layers
-        of each range that fit (N = all of them where none do)."""
+        of each range that fit (N = all of them where none do). Full
+        recomputation runs under 1F1B and GPipe only, whose rows count
+        activations and sends alone: each row's bytes fall by its activations'
+        count times one layer's saving per layer recomputed."""
         u0 = self.unit_costs(g, tp, mbs, "none", alone)
         uf = self.unit_costs(g, tp, mbs, "full", alone)
         # All layers are alike: each one recomputed saves and costs the same.
-        saved = inflight * (u0.activation_bytes[1] - uf.activation_bytes[1])
+        saved = u0.activation_bytes[1] - uf.activation_bytes[1]
         extra_s = uf.time_s[1] - u0.time_s[1]
-        # No layer recomputed, but the transient of one that is.
-        unreduced = full.static + inflight * base.act + full.transient
         layers = self.range_layers
+
+        def memory_at(n: np.ndarray) -> np.ndarray:
+            # No layer recomputed, but the transient of one that is.
+            act = base.act - n * saved
+            return full.static + full.transient + schedule_model.peak_bytes(rows, [act], [full.kept], [full.wgrad],
+                                                                            full.boundary)
+        count = np.ones_like(layers, dtype=float)
         with np.errstate(divide="ignore", invalid="ignore"):
-            count = np.clip(np.ceil((unreduced - base.capacity) / saved), 1, layers)
-        count = np.where(np.isfinite(count), count, layers)
-        memory = unreduced - count * saved
+            for row in rows:  # each row's own fewest layers; all must fit
+                over = full.static + full.transient + row[0] * base.act + row[-1] * full.boundary - base.capacity
+                need = np.ceil(over / (row[0] * saved))
+                count = np.maximum(count, np.where(np.isfinite(need), need, layers))
+        count = np.clip(count, 1, layers)
+        memory = memory_at(count)
         bump = (memory > base.capacity) & (count < layers)  # rounding in the division
         count = count + bump
-        memory = unreduced - count * saved
+        memory = memory_at(count)
         return base.time + count * extra_s, memory, count.astype(int)
 
     def dp_link(self, g: int, tp: int, dp: int) -> tuple[float, float]:
@@ -302,11 +326,11 @@ class CostContext:
         P, M = len(layout), cand.num_microbatches
         alone = P == 1
         mbs = cand.micro_batch_size
-        inflight = schedule_model.in_flight(schedule, P, M)
+        rows = schedule_model.memory_rows(schedule, P, M)
         modes = schedule_model.recompute_modes(schedule, self.recompute_modes)
         base = [self.group_costs(g, cand.tp[g], cand.dp, mbs, "none", alone) for g, _ in layout]
-        choices = [self.stage_choice(g, cand.tp[g], cand.dp, mbs, int(n), alone, modes)
-                   for (g, _), n in zip(layout, inflight)]
+        choices = [self.stage_choice(g, cand.tp[g], cand.dp, mbs, r, alone, modes)
+                   for (g, _), r in zip(layout, rows)]
         time = np.stack([c.time for c in choices])
         # Zero bubble takes each later stage's W off the fill/drain path twice
         # (schedule_model); W does not depend on the recomputation mode.

@@ -27,6 +27,9 @@ class TrainShape(Protocol):
     precision: str
     fuse_elementwise: Optional[bool]
     compile: bool
+    # What a zero-bubble W holds (cost.weight_pass_bytes); read with a
+    # default of True (the trainer's) where an object lacks it.
+    grad_accumulation_fusion: bool
     # Activation recomputation of a plan built from ``partition``: a mode or
     # one per stage, and the layers it covers (hetpipe.models.recompute).
     recompute: Any

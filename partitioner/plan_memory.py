@@ -5,17 +5,16 @@ plans it considers, choosing each stage's recomputation as it goes; a plan
 built from ``partition.layers`` or loaded from a plan.yaml has its
 recomputation fixed already. :func:`predicted_memory_gib` prices such a
 plan with the same cost model (:class:`~hetpipe.partitioner.cost_context.CostContext`'s
-per-range static, activation and transient bytes, and the schedule's
-microbatches in flight), so that the runtime can compare it with the device
-it got (:mod:`hetpipe.memory_fit`). For a plan the planner made it equals
+per-range static, activation, zero-bubble and transient bytes, and what
+the schedule's ranks hold at their peaks, ``schedule_model.memory_rows``),
+so that the runtime can compare it with the device it got
+(:mod:`hetpipe.memory_fit`). For a plan the planner made it equals
 the planner's own figure (tests/test_memory_fit.py).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
-
-import numpy as np
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
@@ -69,33 +68,43 @@ def _context(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
 
 def _contiguous_memory(ctx: CostContext, plan: Plan, microbatches: int) -> list[float]:
     P = plan.pipeline_size
-    inflight = schedule_model.in_flight(plan.schedule, P, microbatches)
+    rows = schedule_model.memory_rows(plan.schedule, P, microbatches)
     out = []
     for k, (stage, units) in enumerate(zip(plan.stages, plan.unit_ranges())):
-        static, act, transient = _range_bytes(ctx, stage, units, P == 1)
-        out.append(static + inflight[k] * act + transient)
+        b = _range_bytes(ctx, stage, units, P == 1)
+        out.append(b.static + b.transient + float(schedule_model.peak_bytes(rows[k], [b.act], [b.kept], [b.wgrad],
+                                                                           b.boundary)))
     return out
 
 
 def _v_memory(ctx: CostContext, plan: Plan, microbatches: int) -> list[float]:
-    """zb_v: rank k holds virtual stages k and 2P-1-k; its activation peak is the
-    largest of the schedule's (chunk 0, chunk 1) in-flight pairs (v_split.price)."""
+    """zb_v: rank k holds virtual stages k and 2P-1-k; its peak is the largest
+    of its :func:`~hetpipe.partitioner.schedule_model.memory_rows` (v_split.price)."""
     P, placement, ranges = plan.pipeline_size, plan.placement, plan.unit_ranges()
-    counts = schedule_model.v_chunk_counts(P, microbatches)
+    rows = schedule_model.memory_rows(plan.schedule, P, microbatches)
     out = []
     for k in range(P):
-        a, b = (placement.stage(k, c) for c in (0, 1))
-        sa, aa, ta = _range_bytes(ctx, plan.stages[a], ranges[a], False)
-        sb, ab, tb = _range_bytes(ctx, plan.stages[b], ranges[b], False)
-        act = float(np.max(counts[k][:, 0] * aa + counts[k][:, 1] * ab))
-        out.append(sa + sb + act + max(ta, tb))
+        a, b = (_range_bytes(ctx, plan.stages[s], ranges[s], False) for s in (placement.stage(k, c) for c in (0, 1)))
+        held = schedule_model.peak_bytes(rows[k], [a.act, b.act], [a.kept, b.kept], [a.wgrad, b.wgrad], a.boundary)
+        out.append(a.static + b.static + float(held) + max(a.transient, b.transient))
     return out
 
 
-def _range_bytes(ctx: CostContext, stage: StagePlan, units: tuple[int, int], alone: bool
-                 ) -> tuple[float, float, float]:
-    """(static, activation per microbatch, transient) bytes per device of ``stage``
-    holding model ``units``, its first ``recompute_num_layers`` layers recomputed.
+@dataclasses.dataclass
+class _Bytes:
+    """Per device of one stage: static, and per microbatch activation, zero
+    bubble's kept and W bytes; transient; one boundary message."""
+    static: float
+    act: float
+    kept: float
+    wgrad: float
+    transient: float
+    boundary: float
+
+
+def _range_bytes(ctx: CostContext, stage: StagePlan, units: tuple[int, int], alone: bool) -> _Bytes:
+    """The bytes per device of ``stage`` holding model ``units``, its first
+    ``recompute_num_layers`` layers recomputed.
 
     Every decoder layer saves the same activation bytes when recomputed, so
     recomputing n of L layers saves n/L of the whole range's saving - the
@@ -107,8 +116,8 @@ def _range_bytes(ctx: CostContext, stage: StagePlan, units: tuple[int, int], alo
     base = ctx.group_costs(g, stage.tp, stage.dp, mbs, "none", alone)
     layers = int(ctx.range_layers[i, j])
     covered = layers if stage.recompute_num_layers is None else min(stage.recompute_num_layers, layers)
-    if stage.recompute == "none" or covered == 0:
-        return float(base.static[i, j]), float(base.act[i, j]), float(base.transient[i, j])
-    mode = ctx.group_costs(g, stage.tp, stage.dp, mbs, stage.recompute, alone)
-    act = base.act[i, j] - covered / layers * (base.act[i, j] - mode.act[i, j])
-    return float(mode.static[i, j]), float(act), float(mode.transient[i, j])
+    mode = base if stage.recompute == "none" or covered == 0 else \
+        ctx.group_costs(g, stage.tp, stage.dp, mbs, stage.recompute, alone)
+    act = base.act[i, j] - (covered / layers * (base.act[i, j] - mode.act[i, j]) if mode is not base else 0.0)
+    return _Bytes(float(mode.static[i, j]), float(act), float(mode.kept[i, j]), float(mode.wgrad[i, j]),
+                  float(mode.transient[i, j]), mode.boundary)

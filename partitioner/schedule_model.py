@@ -5,8 +5,9 @@ The split search (:mod:`hetpipe.partitioner.split`) prices a layout as
     T = (M - 1) * max(max_k t_k, max_l c_l) + sum_k p_k + 2 * sum_l c_l + max_k a_k
 
 where ``t_k`` paces the steady state and ``p_k`` is stage k's share of the
-fill/drain path. The schedules differ only in ``p_k`` and in how many
-microbatches each stage keeps in flight, which is all this module says:
+fill/drain path. The schedules differ only in ``p_k`` and in what each
+stage keeps in memory (:func:`memory_rows`: its microbatches in flight, and
+more), which is all this module says:
 
 * **1f1b**: ``p_k = t_k``, stage k keeps ``min(P - k, M)`` microbatches.
   Equal stages give the textbook ``(M + P - 1) t``: a bubble of
@@ -25,9 +26,9 @@ microbatches each stage keeps in flight, which is all this module says:
   ``(P - 2 + min(M, P)) / (2 (P - 1))`` and matches both exactly
   (``tests/test_partitioner_schedules.py``). Every stage holds up to
   ``min(P, M)`` microbatches between F and W (the simulator's
-  ``max_in_flight``), and the model keeps a unit's activations until its W
-  (W needs the inputs of the weight GEMMs): 1F1B's peak on the first stage,
-  more than 1F1B on the others. Full recomputation is refused (see
+  ``max_in_flight``, :func:`in_flight`), each with its activations and the
+  gradients its W needs; what the engine really holds, a little more, is
+  :func:`memory_rows`'s. Full recomputation is refused (see
   :class:`hetpipe.partitioner.plan.Plan`).
 * **gpipe**: all forwards, then all backwards. For equal stages its makespan
   equals 1F1B's (the simulator agrees); it keeps all M microbatches on every
@@ -46,7 +47,8 @@ microbatches each stage keeps in flight, which is all this module says:
   keeps chunk c's activations from its F to its W, and :func:`v_chunk_counts`
   lists the (chunk 0, chunk 1) counts its order reaches at its peaks (2P
   chunks in all once full: P whole stages' worth for equal chunks, 1F1B's
-  peak on its first stage). Each boundary carries both chunks' messages; the
+  peak on its first stage); the planner prices the engine's own holdings
+  per chunk (:func:`memory_rows`). Each boundary carries both chunks' messages; the
   tied embedding and head share rank 0 (summed there, no sync across ranks,
   each chunk keeping its own copy). The makespan and the counts equal the
   simulator's for every P <= 6 and M <= 13 (``tests/test_partitioner_schedules.py``).
@@ -61,12 +63,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from hetpipe.actions import BWD_WEIGHT, FWD
+from hetpipe.actions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.placement import V_SHAPED_SCHEDULES
+from hetpipe.placement import V_SHAPED_SCHEDULES, Placement
 from hetpipe.schedule_zbv import v_orders
-from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES
+from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES, compute_orders, output_stage
 
 # In the order the planner reports them and breaks ties by (least memory first).
 PLANNED_SCHEDULES = ("1f1b", "zb_h1", "zb_v", "gpipe")
@@ -98,8 +100,10 @@ def recompute_modes(schedule: str, modes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
-    """Per stage, the most microbatches whose activations it holds at once
-    (contiguous schedules; zb_v's chunks: :func:`v_chunk_counts`)."""
+    """Per stage, the most microbatches between their F and their W (or
+    whole backward) at once, as the schedule defines them (contiguous
+    schedules; zb_v's chunks: :func:`v_chunk_counts`). Memory is priced with
+    what the engine holds, :func:`memory_rows`."""
     P, M = num_stages, num_microbatches
     if schedule == "gpipe":
         return np.full(P, M)
@@ -126,6 +130,146 @@ def v_chunk_counts(num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, .
         peaks = [p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)]
         counts.append(np.array(sorted(peaks), dtype=float))
     return tuple(counts)
+
+
+@lru_cache(maxsize=128)
+def memory_rows(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, ...]:
+    """Per rank, what it holds at the moments its memory can peak, walking the
+    engine's own action list (:func:`hetpipe.schedules.build_schedule`'s
+    computations, each send right after the one that produced it) as
+    :meth:`hetpipe.engine.PipelineEngine.run_step` runs it.
+
+    Each row, one per computation, counts for each of the rank's C chunks
+    (1, or 2 under zb_v) the microbatches whose activations are alive, those
+    whose B has run and W not (each keeps its W's inputs,
+    :func:`hetpipe.partitioner.cost.weight_pass_bytes`), whether the
+    computation is that chunk's W, and last the messages sent so far:
+    columns ``[act_0.., kept_0.., weight_0.., sends]``. A row is the largest
+    moment of its computation (a forward's activations complete, a B's kept
+    gradients too). Rows another row dominates are left out, so the rank's
+    peak is the largest of :func:`peak_bytes` over them whatever the chunks'
+    sizes (beyond ``MAX_MEMORY_ROWS``, a bound a little above it).
+
+    Three things the engine does, beyond the schedule's own counts
+    (``in_flight``, ``v_chunk_counts``), and why the zero-bubble schedules'
+    peaks were 7-16 % above the older closed form on 2xH200 (LLaMA-3-8B,
+    seq 8192, 16 microbatches, docs/partitioner.md):
+
+    * B keeps the graph (``retain_graph``), so activations stay until W,
+      with W's input gradients on top (zb_h1 rank 1 holds two such
+      microbatches at its Ws: 120.4 GiB measured).
+    * The graph of the last microbatch that ran B stays referenced by the
+      engine's ``out`` until the next forward has finished or the next B
+      starts, even after its W: on zb_h1's first rank, whose W directly
+      follows its B, a forward then runs with three microbatches' activations
+      alive instead of two (126.6 GiB measured, 1F1B's 108.8; on CPU the
+      previous microbatch's saved tensors are still alive, after its W, when
+      a forward returns). 1F1B's backward frees the saved tensors itself.
+    * Sends are waited for only at the end of the step, and each holds its
+      tensor until then: a rank's peak late in the step carries up to M
+      boundary messages per direction it sends (1 GiB at seq 8192, M = 16).
+    """
+    chunks = 2 if is_v_shaped(schedule) else 1
+    placement = Placement(schedule, num_ranks, chunks)
+    last = placement.num_stages - 1
+    out = []
+    for rank, order in enumerate(compute_orders(schedule, num_ranks, num_microbatches, chunks)):
+        # Whether a computation's product goes to another rank: a send right after it.
+        sending = {}
+        for kind in (FWD, BWD, BWD_INPUT):
+            for chunk in range(chunks):
+                target = output_stage(kind, placement.stage(rank, chunk), last)
+                sending[kind, chunk] = target is not None and placement.rank_of(target) != rank
+        live: set = set()
+        done: set = set()
+        counts = [0] * (3 * chunks)  # alive, kept (B run, W not), a W running; per chunk
+        holder = None
+        sends = 0
+        best: dict[tuple, int] = {}  # counts -> most messages sent at them
+
+        def note() -> None:
+            key = tuple(counts)
+            best[key] = max(best.get(key, 0), sends)
+
+        def drop(key) -> None:
+            live.discard(key)
+            counts[key[1]] -= 1
+
+        def release(key) -> None:
+            """``out`` no longer holds ``key``'s graph: freed if its W has run."""
+            if key in done and key in live:
+                drop(key)
+
+        for kind, microbatch, chunk in order:
+            key = (microbatch, chunk)
+            if kind == FWD:
+                live.add(key)
+                counts[chunk] += 1
+                note()
+                release(holder)  # ``out`` is rebound once the forward returns
+                holder = key
+            elif kind == BWD:  # a whole backward frees its saved tensors
+                release(holder)
+                holder = None
+                note()
+                drop(key)
+            elif kind == BWD_INPUT:
+                release(holder)  # ``out`` is rebound as B starts
+                holder = key
+                counts[chunks + chunk] += 1
+                note()
+            else:  # BWD_WEIGHT
+                counts[2 * chunks + chunk] = 1
+                note()
+                counts[2 * chunks + chunk] = 0
+                counts[chunks + chunk] -= 1
+                done.add(key)
+                if key != holder:
+                    drop(key)
+            if kind != BWD_WEIGHT:
+                sends += sending[kind, chunk]
+        out.append(_undominated([k + (n,) for k, n in best.items()]))
+    return tuple(out)
+
+
+# More rows than this (GPipe's last stages with many microbatches: each
+# backward trades one microbatch's activations for one more message sent)
+# are merged, neighbours by messages sent, into their column-wise maxima:
+# a bound above the peak by at most a few messages per merged row.
+MAX_MEMORY_ROWS = 64
+
+
+def _undominated(rows: list[tuple]) -> np.ndarray:
+    """The rows no other row is at least as large as in every column, by
+    messages sent; beyond ``MAX_MEMORY_ROWS``, neighbours merged."""
+    rows = np.array(rows, dtype=float)
+    rows = rows[np.lexsort(rows.T[::-1])]
+    rows = rows[np.argsort(rows[:, -1], kind="stable")]
+    if len(rows) > 4 * MAX_MEMORY_ROWS:  # merged first too, so that the pruning stays cheap
+        rows = _merged(rows, 4 * MAX_MEMORY_ROWS)
+    covers = (rows[None] >= rows[:, None]).all(axis=2) & (rows[None] > rows[:, None]).any(axis=2)
+    kept = rows[~covers.any(axis=1)]
+    return _merged(kept, MAX_MEMORY_ROWS) if len(kept) > MAX_MEMORY_ROWS else kept
+
+
+def _merged(rows: np.ndarray, groups: int) -> np.ndarray:
+    """``rows`` (in order of messages sent) as ``groups`` runs of
+    neighbours, each its column-wise maximum."""
+    return np.stack([run.max(axis=0) for run in np.array_split(rows, groups)])
+
+
+def peak_bytes(rows: np.ndarray, act: list, kept: list, weight: list, boundary: float):
+    """The largest of a rank's :func:`memory_rows` priced with each chunk's
+    activation, kept and W bytes (numbers, or arrays alike in shape: every
+    unit range at once) and one boundary message's bytes."""
+    C = len(act)
+    best = None
+    for row in rows:
+        total = row[3 * C] * boundary
+        for c in range(C):
+            total = total + row[c] * act[c] + row[C + c] * kept[c] + row[2 * C + c] * weight[c]
+        best = total if best is None else np.maximum(best, total)
+    return best
 
 
 def weight_credit(schedule: str, num_stages: int, num_microbatches: int) -> float:

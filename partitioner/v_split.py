@@ -17,9 +17,10 @@ time (:mod:`hetpipe.partitioner.v_timing`: the simulator's makespan without
 its checks), plus the slowest rank's DP gradient sync and optimizer step.
 
 A rank's memory is both chunks' weights, optimizer state and receive
-buffers, the largest ``n0 * act(chunk 0) + n1 * act(chunk 1)`` over the
-chunk counts its order reaches
-(:func:`hetpipe.partitioner.schedule_model.v_chunk_counts`), and the larger
+buffers, the largest of what the engine holds at each moment of its order
+(each chunk's live activations and B-to-W gradients, a running W's
+gradients, the sends not yet waited for:
+:func:`hetpipe.partitioner.schedule_model.memory_rows`), and the larger
 chunk's working memory; it recomputes in the cheapest allowed mode that fits
 (none or selective: zb_v runs no full recomputation), both chunks alike.
 
@@ -85,7 +86,7 @@ def price(ctx: CostContext, cand: Candidate, cuts: list[int]) -> list[RankPrice]
     """Every rank of the V split ``cuts`` (virtual-stage unit boundaries)."""
     layout = cand.layout()
     P, mbs, dp = len(layout), cand.micro_batch_size, cand.dp
-    counts = schedule_model.v_chunk_counts(P, cand.num_microbatches)
+    rows = schedule_model.memory_rows("zb_v", P, cand.num_microbatches)
     modes = schedule_model.recompute_modes("zb_v", ctx.recompute_modes)
     out = []
     for k, (g, _) in enumerate(layout):
@@ -95,8 +96,9 @@ def price(ctx: CostContext, cand: Candidate, cuts: list[int]) -> list[RankPrice]
         options = []  # (fits, time, memory, mode)
         for mode in modes:
             gc = ctx.group_costs(g, tp, dp, mbs, mode, False)
-            act = float(np.max(counts[k][:, 0] * gc.act[a] + counts[k][:, 1] * gc.act[b]))
-            memory = gc.static[a] + gc.static[b] + act + max(gc.transient[a], gc.transient[b])
+            held = float(schedule_model.peak_bytes(rows[k], [gc.act[a], gc.act[b]], [gc.kept[a], gc.kept[b]],
+                                                   [gc.wgrad[a], gc.wgrad[b]], gc.boundary))
+            memory = gc.static[a] + gc.static[b] + held + max(gc.transient[a], gc.transient[b])
             options.append((memory <= base.capacity, gc.time[a] + gc.time[b], memory, mode))
         fitting = [o for o in options if o[0]]
         _, _, memory, mode = min(fitting, key=lambda o: o[1]) if fitting else min(options, key=lambda o: o[2])

@@ -15,7 +15,7 @@ from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import PROFILE_FORMAT, profile_shape
-from hetpipe.partitioner.schedule_model import schedules_for
+from hetpipe.partitioner.schedule_model import memory_rows, schedules_for
 from hetpipe.partitioner.solver import plan_for, solve
 from hetpipe.partitioner.split import best_split
 
@@ -98,9 +98,12 @@ def _stage_memory_bytes(solution, planner, train):
         transient[first:first + covered] = rc.transient_bytes[first:first + covered]
         static = uc.params[i:j].sum() * prec.static_bytes_per_param(st.dp, planner.distributed_optimizer) \
             + 4 * uc.boundary_bytes
-        inflight = min(P - k, cand.num_microbatches)
-        out.append((static + inflight * act[i:j].sum() + transient[i:j].max(),
-                    spec.memory_gib * GIB * planner.memory_headroom))
+        # 1F1B's min(P - k, M) microbatches in flight, with the messages the
+        # engine has sent by then (each held until the step ends).
+        rows = memory_rows("1f1b", P, cand.num_microbatches)[k]
+        assert max(r[0] for r in rows) == min(P - k, cand.num_microbatches)
+        held = max(r[0] * act[i:j].sum() + r[-1] * uc.boundary_bytes for r in rows)
+        out.append((static + held + transient[i:j].max(), spec.memory_gib * GIB * planner.memory_headroom))
     return out
 
 
