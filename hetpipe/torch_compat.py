@@ -49,6 +49,10 @@ _foreach_copy_``                                       per tensor (gradient norm
                                                        wrote ``.grad`` outside autograd.
 ``torch._dynamo.utils.counters``                       the compiled-graph count bench_layer
                                                        prints (:func:`compiled_graph_count`).
+``multiprocessing.forkserver._forkserver.``            the standard library's, not torch's: the
+``_forkserver_pid``                                    local ranks' fork server, SIGKILLed at
+                                                       exit (hetpipe.launch); None where it is
+                                                       absent: the server then leaves by itself.
 =====================================================  ==========================================
 """
 from __future__ import annotations
@@ -308,3 +312,11 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     hooks: Optional[dict[Any, Callable[[torch.Tensor], None]]] = getattr(param, "_post_accumulate_grad_hooks", None)
     for hook in list((hooks or {}).values()):
         hook(param)
+
+
+def fork_server_pid() -> Optional[int]:
+    """The pid of multiprocessing's fork server, if this process started one
+    (the standard library offers no public way to it)."""
+    import multiprocessing.forkserver
+
+    return getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_forkserver_pid", None)

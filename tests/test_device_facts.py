@@ -160,6 +160,6 @@ def test_ranks_say_their_devices_and_stop_together_on_a_plan_for_other_devices(t
     stopped = run_cli([*common, f"plan={path}", f"hydra.run.dir={tmp_path / 'stop'}"], timeout=180)
     assert stopped.returncode == 2 and "Traceback" not in stopped.stderr, stopped.stderr
     errors = [line.split("] ", 1)[1] for line in stopped.stderr.splitlines() if line.startswith("hetpipe: error:")]
-    assert len(errors) == 2 and len(set(errors)) == 1, stopped.stderr
+    assert len(errors) == 1, stopped.stderr  # one line for the job, though both ranks stop with it
     assert errors[0].startswith("the plan was made for group 'nvidia' on H200 (its notes.device_types) but rank 0 "
                                 "runs on 'cpu' (CPU)"), errors[0]
