@@ -236,8 +236,11 @@ class LoggingConfig:
 @dataclass
 class PartitionConfig:
     # Decoder layers per (virtual) stage in pipeline order, e.g. [15, 17];
-    # the embedding joins the first stage and the head the last. None splits
-    # the layers evenly over the cluster's ranks.
+    # the embedding joins the first stage and the head the last. A stage may
+    # have 0: [31, 0] leaves the last stage the final norm, head and loss
+    # (LLaMA-3-8B's head, forward and backward, costs about 2.2 layers on an
+    # H100 at seq 8192: partitioner/profiles/h100.json). None splits the
+    # layers evenly over the cluster's ranks.
     layers: Optional[List[int]] = None
     # gpipe | 1f1b | interleaved_1f1b | zb_h1 (zero bubble: backward split
     # into input and weight gradients, weights deferred into the bubbles;

@@ -46,6 +46,15 @@ def test_pp2_across_vendors_is_bitwise_single_process(tmp_path, corpus_prefix, r
     assert max(g for _, g in reference) > 0.5
 
 
+@pytest.mark.parametrize("layers", ["[4,0]", "[0,4]"])
+def test_a_stage_of_no_decoder_layers_holds_the_head_or_the_embedding(tmp_path, corpus_prefix, reference, layers):
+    # A last stage of the final norm, the head and the loss alone (or a first
+    # one of the embedding alone) is a real stage: what Megatron's
+    # --decoder-last-pipeline-num-layers 0 gives, for a head that costs a few
+    # layers (docs/partitioner.md). It trains like one process.
+    assert _train(tmp_path, "empty", corpus_prefix, "cluster=cpu_mixed", f"partition.layers={layers}") == reference
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "zb_v"])
 def test_schedules_give_identical_losses(tmp_path, corpus_prefix, reference, schedule):
     extra = ["partition.num_chunks=2", "partition.layers=[1,1,1,1]"] if schedule != "gpipe" else []
