@@ -82,6 +82,23 @@ def test_corrupted_checkpoint_is_refused_by_name(tmp_path, corpus_prefix):
     assert shard.name in proc.stderr
 
 
+def test_a_shard_another_rank_refuses_is_never_called_resumed(tmp_path, corpus_prefix):
+    # Rank 0's part loads; rank 1's model shard is corrupted. The job stops with
+    # rank 1's line, and rank 0 never said it had resumed.
+    ckpt = tmp_path / "ckpt"
+    _losses(tmp_path, "a", corpus_prefix, "cluster=cpu_mixed", "train.train_iters=2",
+            f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2")
+    shard = ckpt / "iter_0000002" / "model-rank00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={corpus_prefix}", "cluster=cpu_mixed",
+                    f"hydra.run.dir={tmp_path / 'b'}", "train.train_iters=4",
+                    f"checkpoint.save_dir={ckpt}", "checkpoint.resume=latest"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{shard} is corrupted" in proc.stderr and "resumed from" not in proc.stdout, proc.stdout[-2000:]
+
+
 def test_plan_auto_and_plan_file(tmp_path, corpus_prefix):
     _, out = _losses(tmp_path, "auto", corpus_prefix, "cluster=cpu_mixed", "plan=auto",
                      "train.train_iters=2", "model.num_layers=6")

@@ -80,6 +80,11 @@ def restore(cfg: CheckpointConfig, run_dir: str | Path, chunks: Sequence[CausalL
     if path is not None:
         loaded = load_checkpoint(path, chunks, optimizer, loader=loader, rank=rank, world_size=world_size,
                                  shard=shard)
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            # "resumed" only once every rank has loaded its part: rank 0 said it
+            # before rank 1 refused its corrupted shard. A rank that refuses ends
+            # the job (job_watch), and this barrier with it.
+            dist.barrier()
         if rank == 0:
             rng = "RNG states restored" if loaded.rng_restored else "RNG states not restored: the plan differs"
             print(f"hetpipe: resumed from {loaded.path} after step {loaded.step}; {rng}", flush=True)
