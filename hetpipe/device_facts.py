@@ -24,7 +24,6 @@ import torch
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
-from hetpipe.launch import under_torchrun
 from hetpipe.partitioner.catalog import DeviceSpec, detect_device_type
 
 if TYPE_CHECKING:
@@ -181,12 +180,11 @@ def _remedy(index: int, group: GroupConfig, expected: str, source: str, facts: D
 
 
 def check_local_devices(cluster: ClusterConfig, catalog: Optional[Mapping[str, DeviceSpec]] = None) -> None:
-    """Before a launcher on this machine starts the ranks (not under torchrun, where this
-    process is a rank): each rank's device as the launcher sees it, checked as
+    """Before a launcher on this machine starts the ranks (its caller skips it under
+    torchrun, where this process is a rank): each rank's device as the launcher sees it, checked as
     :func:`check_devices` does, so a mismatch is said before any rank starts or any plan is
     made for the wrong device. Warnings are left to rank 0, which says them after the roll call."""
-    if not under_torchrun():
-        check_devices(cluster, local_devices(cluster, catalog))
+    check_devices(cluster, local_devices(cluster, catalog))
 
 
 def local_devices(cluster: ClusterConfig, catalog: Optional[Mapping[str, DeviceSpec]] = None

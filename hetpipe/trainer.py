@@ -118,7 +118,8 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     any process starts, so bad input fails once, in one line; then runs
     :func:`run_rank` on every rank (in-process for a one-rank cluster).
     """
-    check_local_devices(cfg.cluster, catalog_with(dict(cfg.planner.catalog or {})))  # before planning for them
+    if not under_torchrun():  # a torchrun rank checks its own device at the roll call
+        check_local_devices(cfg.cluster, catalog_with(dict(cfg.planner.catalog or {})))  # before planning for them
     plan = memory_fit.with_prediction(resolve_plan(cfg), cfg)
     check_transport_available(cfg.cluster)
     if not under_torchrun():
