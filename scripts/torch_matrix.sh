@@ -24,6 +24,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 versions=(2.11.0 2.15.0)
 [ $# -gt 0 ] && versions=("$@")
 status=0
+# As scripts/test.sh: one pytest-xdist worker per core (at most 4), whole modules each, longest first.
+cores=$(nproc)
+workers=${HETPIPE_TEST_WORKERS:-$((cores < 4 ? cores : 4))}
 for version in "${versions[@]}"; do
   venv="$root/.venv-torch$version"
   echo "hetpipe: torch $version: the multi-process subset in $venv" >&2
@@ -36,7 +39,8 @@ for version in "${versions[@]}"; do
     *) echo "hetpipe: error: $venv has torch $got, not $version" >&2; exit 2 ;;
   esac
   # shellcheck disable=SC2086
-  (cd "$root" && "$venv/bin/python" -m pytest -q -m torch_matrix -p no:cacheprovider ${TORCH_MATRIX_PYTEST_ARGS:-}) ||
+  (cd "$root" && "$venv/bin/python" -m pytest -q -m torch_matrix -p no:cacheprovider -n "$workers" --dist loadscope \
+     --no-loadscope-reorder ${TORCH_MATRIX_PYTEST_ARGS:-}) ||
     status=1
   echo "hetpipe: torch $version: $((SECONDS - start)) s with the set-up" >&2
 done

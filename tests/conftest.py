@@ -31,6 +31,25 @@ def run_pretrain(run_dir: Path, args: list[str], timeout: float = 240) -> tuple[
     return proc, rows
 
 
+# scripts/test.sh runs the suite on one pytest-xdist worker per core, each
+# taking whole modules (--dist loadscope: a module's shared reference runs are
+# made once) in collection order (--no-loadscope-reorder). Handing out the
+# longest modules first keeps the last minutes from running on one core: these
+# took 50-240 s each on two cores (2026-11-26, --durations), most others < 30 s.
+LONGEST_MODULES_FIRST = (
+    "test_parallel_cli.py", "test_pipeline.py", "test_checkpoint_resume.py", "test_zero_bubble.py",
+    "test_checkpoint_nodes.py", "test_launcher_restart.py", "test_long_runs.py", "test_mooncake_mover.py",
+    "test_compare_harness.py", "test_node_faults.py", "test_fused.py", "test_doctor.py", "test_precision.py",
+    "test_scheduler_env.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest modules first; a stable sort keeps each module's own order."""
+    rank = {name: k for k, name in enumerate(LONGEST_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tensors as small as the test models' only lose from intra-op threads
