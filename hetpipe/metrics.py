@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hetpipe.errors import ConfigError, HetpipeError
+from hetpipe.pretrain_config import LoggingConfig
 from hetpipe.straggler import StragglerReport, describe
 
 
@@ -41,22 +42,25 @@ class _Pending:
     consumed_samples: int
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What the console line and the throughput columns are measured against."""
+    total_steps: int
+    tokens_per_step: int
+    flops_per_step: float  # Megatron's model FLOPs of one global batch
+    num_devices: int
+    peak_tflops: Optional[float]  # a device's dense peak for MFU; None where none is known
+    log_interval: int = 10
+
+
 @dataclass
 class MetricsLogger:
     run_dir: Path
-    total_steps: int
-    tokens_per_step: int
-    flops_per_step: float
-    num_devices: int
-    peak_tflops: Optional[float]
-    log_interval: int = 10
-    progress: bool = True
-    wandb_project: Optional[str] = None
-    wandb_mode: str = "offline"  # see LoggingConfig.wandb_mode
-    wandb_config: dict[str, Any] = field(default_factory=dict)
-    tensorboard: bool = False
+    shape: RunShape
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     # First step of this run (> 0 when resuming): earlier rows are kept.
     start_step: int = 0
+    wandb_config: dict[str, Any] = field(default_factory=dict)
     # logging.straggler: per-rank busy times, reported at each flush.
     straggler: Optional[StragglerReport] = None
 
@@ -64,8 +68,8 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # The mirrors first: a missing package fails before metrics.jsonl is
         # rewritten or the progress bar takes over the terminal.
-        self._wandb = self._start_wandb() if self.wandb_project else None
-        self._tensorboard = self._start_tensorboard() if self.tensorboard else None
+        self._wandb = self._start_wandb() if self.logging.wandb else None
+        self._tensorboard = self._start_tensorboard() if self.logging.tensorboard else None
         self.path = self.run_dir / "metrics.jsonl"
         # Rows past the step this run starts from belong to a run that went on
         # after its last checkpoint; they are replaced, not duplicated.
@@ -77,11 +81,11 @@ class MetricsLogger:
         self._last_time = time.perf_counter()
         self.console = Console(highlight=False)
         self._bar = None
-        if self.progress and self.console.is_terminal:
+        if self.logging.progress and self.console.is_terminal:
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[loss]}"), TimeRemainingColumn(),
                                  console=self.console)
-            self._task = self._bar.add_task("train", total=self.total_steps, completed=self.start_step, loss="")
+            self._task = self._bar.add_task("train", total=self.shape.total_steps, completed=self.start_step, loss="")
             self._bar.start()
 
     def _start_wandb(self) -> Any:
@@ -89,7 +93,7 @@ class MetricsLogger:
             import wandb
         except ImportError:
             raise ConfigError("logging.wandb=true needs the wandb package: pip install 'hetpipe[wandb]'") from None
-        return wandb.init(project=self.wandb_project, dir=str(self.run_dir), mode=self.wandb_mode,
+        return wandb.init(project=self.logging.wandb_project, dir=str(self.run_dir), mode=self.logging.wandb_mode,
                           name=self.run_dir.name, config=self.wandb_config)
 
     def _start_tensorboard(self) -> Any:
@@ -108,7 +112,7 @@ class MetricsLogger:
                consumed_samples: int) -> None:
         """Queue one optimizer step's values; flushes at the end of each interval."""
         self._pending.append(_Pending(step, loss.detach(), grad_norm.detach(), lr, consumed_samples))
-        if step % self.log_interval == 0 or step == self.total_steps:
+        if step % self.shape.log_interval == 0 or step == self.shape.total_steps:
             self.flush()
 
     def flush(self) -> None:
@@ -119,7 +123,7 @@ class MetricsLogger:
         now = time.perf_counter()
         step_time = (now - self._last_time) / len(self._pending)
         self._last_time = now
-        tflops = self.flops_per_step / step_time / self.num_devices / 1e12
+        tflops = self.shape.flops_per_step / step_time / self.shape.num_devices / 1e12
         rows = []
         for p in self._pending:
             # Non-finite steps never get here: they are skipped (record_event).
@@ -131,9 +135,9 @@ class MetricsLogger:
                 "grad_norm": p.grad_norm.item(),
                 "consumed_samples": p.consumed_samples,
                 "step_time_s": step_time,
-                "tokens_per_s": self.tokens_per_step / step_time,
+                "tokens_per_s": self.shape.tokens_per_step / step_time,
                 "tflops_per_device": tflops,
-                "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                "mfu": tflops / self.shape.peak_tflops if self.shape.peak_tflops else None,
             })
         self._pending.clear()
         straggler = self.straggler.take() if self.straggler is not None else {}
@@ -197,7 +201,7 @@ class MetricsLogger:
 
     def _log_line(self, row: dict[str, Any], suffix: str = "") -> None:
         mfu = f" | MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
-        line = (f"step {row['step']:>6}/{self.total_steps} | loss {row['loss']:.4f} | "
+        line = (f"step {row['step']:>6}/{self.shape.total_steps} | loss {row['loss']:.4f} | "
                 f"lr {row['lr']:.3e} | grad norm {row['grad_norm']:.3f} | "
                 f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.3f} TFLOP/s/device{mfu}{suffix}")
         if self._bar is not None:

@@ -15,7 +15,8 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from hetpipe import faults
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
 from hetpipe.launch import launch, rank_env, under_torchrun
 from hetpipe import memory_fit
-from hetpipe.metrics import MetricsLogger
+from hetpipe.metrics import MetricsLogger, RunShape
 from hetpipe.nonfinite import NonFiniteGuard
 from hetpipe.preemption import PreemptionWatch, write_marker
 from hetpipe.restart import restart_attempt, resume_setting
@@ -200,8 +201,76 @@ def _check_memory(cfg: PretrainConfig, plan: Plan, topo: Topology) -> None:
         print(f"hetpipe: note: {note}", flush=True)
 
 
+@dataclass
+class _Rank:
+    """What one rank's training steps use, built once by :func:`_set_up`."""
+    cfg: PretrainConfig
+    plan: Plan
+    topo: Topology
+    run_dir: Path
+    progress: memory_fit.Progress
+    precision: str
+    chunks: list
+    loader: MicrobatchLoader
+    weights: Optional[Bf16Weights]
+    engine: PipelineEngine
+    reducer: Optional[GradReducer]
+    optimizer: torch.optim.Optimizer
+    clipper: GradNormClipper
+    counts_loss: bool  # this rank's loss is part of the step's (last stage, TP rank 0)
+    validator: Any
+    saver: CheckpointSaver
+    fused: bool  # some layer runs fused elementwise kernels
+    carveout: Optional[int]  # SMs the GEMMs leave to the NCCL boundary
+
+
+@dataclass
+class _StepResult:
+    lr: float
+    loss_sum: torch.Tensor  # summed over the global batch's microbatches
+    grad_norm: torch.Tensor
+    busy: torch.Tensor  # every rank's busy seconds (the step less its waits on neighbours)
+    skipped: Optional[str]  # why no update was applied, or None
+    stopping: bool  # some rank received a preemption signal
+
+
 def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
                 progress: memory_fit.Progress) -> list[float]:
+    """Set up this rank, resume, then the steps: train, log, validate, save."""
+    r = _set_up(cfg, plan, topo, run_dir, progress)
+    start = restore(resume_setting(cfg.checkpoint, run_dir, r.saver.node), run_dir, r.chunks, r.optimizer,
+                    r.loader, topo.rank, topo.world_size, cfg.model, shard=shard_fn(r.chunks), node=r.saver.node)
+    logger = _open_metrics(r, start) if topo.rank == 0 else None
+    losses = []
+    guard = NonFiniteGuard(cfg.train.max_skipped_steps)
+    preemption = PreemptionWatch(cfg.train.preemption_signals)
+    try:
+        for step in range(start + 1, cfg.train.train_iters + 1):
+            result = _train_step(r, step, guard, preemption)
+            loss = _log_step(r, logger, step, result, guard)
+            if loss is not None:
+                losses.append(loss)
+            _validate_if_due(r, logger, step)
+            if _save_if_due(r, logger, step, result.stopping):
+                _stop_for_preemption(preemption, step, topo.rank, r.saver.wait(), logger)  # committed first
+                break
+    except torch.OutOfMemoryError as exc:  # the job's cause is posted before the cleanup below
+        raise memory_fit.out_of_memory(exc, topo, progress, plan, cfg) from None
+    finally:
+        preemption.close()
+        if logger is not None:
+            logger.close()
+        if topo.device.type == "cuda":
+            _write_peak_memory(run_dir, topo.rank, topo.device)
+        # The last checkpoint is committed before the job ends (a failed background write
+        # is raised here); after a failure elsewhere an unfinished save is abandoned.
+        r.saver.close()
+    return [float(x) for x in losses]
+
+
+def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
+            progress: memory_fit.Progress) -> _Rank:
+    """Process groups, channels, this rank's chunks, the engine, the optimizer and the saver."""
     t = cfg.train
     device = topo.device
     precision = resolve_precision(t.precision, device.type)
@@ -242,122 +311,117 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     optimizer = build_optimizer(chunks, cfg.optimizer, device, topo.dp_group)
     world_group = dist.group.WORLD if topo.world_size > 1 else None
     clipper = GradNormClipper(cfg.model, chunks, world_group, contributes=topo.dp_rank == 0)
-    is_last_stage = any(chunk.is_last for chunk in chunks)
-    counts_loss = is_last_stage and topo.tp_rank == 0
-    global_microbatches = loader.num_microbatches * topo.dp_size
+    counts_loss = any(chunk.is_last for chunk in chunks) and topo.tp_rank == 0
     validator = build_validator(cfg, plan, topo, engine, counts_loss, weights)
-
-    attempt = restart_attempt()
     saver = CheckpointSaver.for_topology(cfg.checkpoint, run_dir, topo, cfg.model, plan)
-    start = restore(resume_setting(cfg.checkpoint, run_dir, saver.node), run_dir, chunks, optimizer, loader,
-                    topo.rank, topo.world_size, cfg.model, shard=shard_fn(chunks), node=saver.node)
-    logger = None
-    if topo.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-        (run_dir / "config.yaml").write_text(resolved)
-        (run_dir / "plan.yaml").write_text(plan.to_yaml())
-        logger = MetricsLogger(
-            run_dir=run_dir, total_steps=t.train_iters, start_step=start, tokens_per_step=loader.tokens_per_step,
-            flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
-            num_devices=topo.world_size, peak_tflops=peak_tflops(cfg, device),
-            log_interval=t.log_interval, progress=cfg.logging.progress,
-            wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-            wandb_mode=cfg.logging.wandb_mode, tensorboard=cfg.logging.tensorboard,
-            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
-            straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None)
-        if attempt:
-            logger.record_event(start, "restart", f"hetpipe: restart {attempt} of {t.max_restarts}: resumed "
-                                f"after step {start}", restart=attempt, resumed_from_step=start)
-        layers = [s.layers for s in plan.stages]
-        degrees = sorted({(s.tp, s.dp) for s in plan.stages})
-        parallel = ", ".join(f"TP{tp} x DP{dp}" for tp, dp in degrees)
-        print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
-              f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
-              f"layers per stage {layers}, {parallel}, {plan.schedule}, {precision}"
-              f"{' (compiled layers)' if t.compile else ' (fused elementwise)' if fused else ''}, "
-              f"{f'GEMMs leave {carveout} SMs to the NCCL boundary, ' if carveout else ''}"
-              f"{loader.num_microbatches} microbatches/step per DP rank, {loader.tokens_per_step} tokens/step, "
-              f"run dir {run_dir}", flush=True)
+    return _Rank(cfg, plan, topo, run_dir, progress, precision, chunks, loader, weights, engine, reducer,
+                 optimizer, clipper, counts_loss, validator, saver, fused, carveout)
 
-    losses = []
-    guard = NonFiniteGuard(t.max_skipped_steps)
-    preemption = PreemptionWatch(t.preemption_signals)
-    try:
-        for step in range(start, t.train_iters):
-            progress.step = step + 1
-            lr = lr_at(step, cfg.optimizer, t.train_iters)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if weights is not None:
-                weights.refresh()  # the main weights changed (optimizer step, checkpoint load)
-            step_started = time.perf_counter()
-            faults.hit("step", topo.rank, step + 1)
-            with profile_step(t.profile_step == step + 1, run_dir, topo.rank, step + 1):
-                loss_sum = engine.run_step(loader.next_step())
-                if reducer is not None:
-                    reducer.finish()  # every .grad is now the DP average
-                if topo.tp_size > 1:
-                    for chunk in chunks:
-                        finalize_tensor_parallel_grads(chunk)
-                sync_tied_embedding_grads(chunks, topo.embedding_group)
-                faults.hit("grads", topo.rank, step + 1, lambda: [p.grad for c in chunks for p in c.parameters()])
-                # Every rank's preemption flag and busy time (the step so far, less
-                # its waits on pipeline neighbours) ride on the norm exchange.
-                busy = time.perf_counter() - step_started - engine.wait_s
-                side = torch.tensor([float(preemption.requested), busy])
-                grad_norm, total_loss, sides = clipper.clip(cfg.optimizer.clip_grad, extra=loss_sum,
-                                                            extra_contributes=counts_loss, side=side)
-                stopping = bool(sides[:, 0].any())
-                skipped = guard.check(step + 1, grad_norm, total_loss)
-                if skipped is None:
-                    optimizer.step()
-                if reducer is not None:
-                    reducer.zero_grad()
-                else:
-                    optimizer.zero_grad(set_to_none=True)
-            consumed = loader.state_dict()["consumed_samples"]
-            if skipped is not None:
-                if logger is not None:
-                    logger.record_event(
-                        step + 1, "skipped", f"hetpipe: step {step + 1} skipped: {skipped} (no update applied; "
-                        f"{guard.consecutive} in a row, train.max_skipped_steps={t.max_skipped_steps})",
-                        reason=skipped, lr=lr, consumed_samples=consumed, consecutive_skips=guard.consecutive,
-                        skipped_steps=guard.total)
-            else:
-                mean_loss = total_loss / global_microbatches
-                losses.append(mean_loss)
-                if logger is not None:
-                    if logger.straggler is not None:
-                        logger.straggler.add(sides[:, 1])
-                    logger.record(step + 1, mean_loss, grad_norm, lr, consumed)
-            if validator is not None and validator.due(step + 1, t.train_iters):
-                if logger is not None:
-                    logger.flush()  # validation's time stays out of this interval's throughput
-                val_loss, val_ppl = validator.run()
-                if logger is not None:
-                    logger.record_validation(step + 1, val_loss, val_ppl)
-            if should_save(cfg.checkpoint, step + 1, t.train_iters) or stopping:
-                if logger is not None:
-                    logger.flush()  # metrics up to the checkpoint are on disk with it
-                # Each rank writes its own shards in the background; the step waits for a host copy.
-                saver.save(step + 1, chunks, optimizer, loader.state_dict())
-            if stopping:
-                checkpoint = saver.wait()  # a preempted job exits only once its checkpoint is committed
-                _stop_for_preemption(preemption, step + 1, topo.rank, checkpoint, logger)
-                break
-    except torch.OutOfMemoryError as exc:  # the job's cause is posted before the cleanup below
-        raise memory_fit.out_of_memory(exc, topo, progress, plan, cfg) from None
-    finally:
-        preemption.close()
+
+def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
+    """Rank 0's record of the run: its config and plan, metrics.jsonl and its mirrors, the banner."""
+    cfg, t, topo, run_dir = r.cfg, r.cfg.train, r.topo, r.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    (run_dir / "config.yaml").write_text(resolved)
+    (run_dir / "plan.yaml").write_text(r.plan.to_yaml())
+    shape = RunShape(total_steps=t.train_iters, tokens_per_step=r.loader.tokens_per_step,
+                     flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
+                     num_devices=topo.world_size, peak_tflops=peak_tflops(cfg, topo.device),
+                     log_interval=t.log_interval)
+    logger = MetricsLogger(run_dir, shape, cfg.logging, start_step=start,
+                           wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
+                           straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None)
+    attempt = restart_attempt()
+    if attempt:
+        logger.record_event(start, "restart", f"hetpipe: restart {attempt} of {t.max_restarts}: resumed "
+                            f"after step {start}", restart=attempt, resumed_from_step=start)
+    layers = [s.layers for s in r.plan.stages]
+    parallel = ", ".join(f"TP{tp} x DP{dp}" for tp, dp in sorted({(s.tp, s.dp) for s in r.plan.stages}))
+    print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
+          f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
+          f"layers per stage {layers}, {parallel}, {r.plan.schedule}, {r.precision}"
+          f"{' (compiled layers)' if t.compile else ' (fused elementwise)' if r.fused else ''}, "
+          f"{f'GEMMs leave {r.carveout} SMs to the NCCL boundary, ' if r.carveout else ''}"
+          f"{r.loader.num_microbatches} microbatches/step per DP rank, {r.loader.tokens_per_step} tokens/step, "
+          f"run dir {run_dir}", flush=True)
+    return logger
+
+
+def _train_step(r: _Rank, step: int, guard: NonFiniteGuard, preemption: PreemptionWatch) -> _StepResult:
+    """One optimizer step (1-based ``step``): the schedule's forwards and backwards, the DP/TP
+    gradient reductions, one norm exchange that also carries every rank's preemption flag and
+    busy time, and the update unless the step is non-finite."""
+    t, topo = r.cfg.train, r.topo
+    r.progress.step = step
+    lr = lr_at(step - 1, r.cfg.optimizer, t.train_iters)
+    for group in r.optimizer.param_groups:
+        group["lr"] = lr
+    if r.weights is not None:
+        r.weights.refresh()  # the main weights changed (optimizer step, checkpoint load)
+    started = time.perf_counter()
+    faults.hit("step", topo.rank, step)
+    with profile_step(t.profile_step == step, r.run_dir, topo.rank, step):
+        loss_sum = r.engine.run_step(r.loader.next_step())
+        if r.reducer is not None:
+            r.reducer.finish()  # every .grad is now the DP average
+        if topo.tp_size > 1:
+            for chunk in r.chunks:
+                finalize_tensor_parallel_grads(chunk)
+        sync_tied_embedding_grads(r.chunks, topo.embedding_group)
+        faults.hit("grads", topo.rank, step, lambda: [p.grad for c in r.chunks for p in c.parameters()])
+        busy = time.perf_counter() - started - r.engine.wait_s
+        side = torch.tensor([float(preemption.requested), busy])
+        grad_norm, total_loss, sides = r.clipper.clip(r.cfg.optimizer.clip_grad, extra=loss_sum,
+                                                      extra_contributes=r.counts_loss, side=side)
+        skipped = guard.check(step, grad_norm, total_loss)
+        if skipped is None:
+            r.optimizer.step()
+        if r.reducer is not None:
+            r.reducer.zero_grad()
+        else:
+            r.optimizer.zero_grad(set_to_none=True)
+    return _StepResult(lr, total_loss, grad_norm, sides[:, 1], skipped, bool(sides[:, 0].any()))
+
+
+def _log_step(r: _Rank, logger: Optional[MetricsLogger], step: int, result: _StepResult,
+              guard: NonFiniteGuard) -> Optional[torch.Tensor]:
+    """The step's row (or its skipped event) on rank 0; returns its mean loss unless skipped."""
+    consumed = r.loader.state_dict()["consumed_samples"]
+    if result.skipped is not None:
         if logger is not None:
-            logger.close()
-        if device.type == "cuda":
-            _write_peak_memory(run_dir, topo.rank, device)
-        # The last checkpoint is committed before the job ends (a failed background write
-        # is raised here); after a failure elsewhere an unfinished save is abandoned.
-        saver.close()
-    return [float(x) for x in losses]
+            logger.record_event(
+                step, "skipped", f"hetpipe: step {step} skipped: {result.skipped} (no update applied; "
+                f"{guard.consecutive} in a row, train.max_skipped_steps={r.cfg.train.max_skipped_steps})",
+                reason=result.skipped, lr=result.lr, consumed_samples=consumed,
+                consecutive_skips=guard.consecutive, skipped_steps=guard.total)
+        return None
+    mean_loss = result.loss_sum / (r.loader.num_microbatches * r.topo.dp_size)
+    if logger is not None:
+        if logger.straggler is not None:
+            logger.straggler.add(result.busy)
+        logger.record(step, mean_loss, result.grad_norm, result.lr, consumed)
+    return mean_loss
+
+
+def _validate_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int) -> None:
+    if r.validator is None or not r.validator.due(step, r.cfg.train.train_iters):
+        return
+    if logger is not None:
+        logger.flush()  # validation's time stays out of this interval's throughput
+    val_loss, val_ppl = r.validator.run()
+    if logger is not None:
+        logger.record_validation(step, val_loss, val_ppl)
+
+
+def _save_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int, stopping: bool) -> bool:
+    """Saves at the configured interval, or now for a preemption; True when stopping."""
+    if should_save(r.cfg.checkpoint, step, r.cfg.train.train_iters) or stopping:
+        if logger is not None:
+            logger.flush()  # metrics up to the checkpoint are on disk with it
+        # Each rank writes its own shards in the background; the step waits for a host copy.
+        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict())
+    return stopping
 
 
 def _stage_of_ranks(topo: Topology) -> list[int]:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import run_cli, run_pretrain
-from hetpipe.metrics import MetricsLogger, read_metrics
+from hetpipe.metrics import MetricsLogger, RunShape, read_metrics
+from hetpipe.pretrain_config import LoggingConfig
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -32,9 +33,10 @@ def _f32(x):
     return float(torch.tensor(x, dtype=torch.float32))  # TensorBoard stores scalars as float32
 
 
-def _logger(run_dir, **kwargs):
-    return MetricsLogger(run_dir, total_steps=4, tokens_per_step=64, flops_per_step=1e6, num_devices=1,
-                         peak_tflops=None, log_interval=2, progress=False, **kwargs)
+def _logger(run_dir, start_step=0, **logging):
+    shape = RunShape(total_steps=4, tokens_per_step=64, flops_per_step=1e6, num_devices=1, peak_tflops=None,
+                     log_interval=2)
+    return MetricsLogger(run_dir, shape, LoggingConfig(progress=False, **logging), start_step=start_step)
 
 
 @pytest.mark.timeout(240)
@@ -114,7 +116,7 @@ def test_wandb_gets_the_mode_and_the_same_values(tmp_path, monkeypatch, mode):
     init = {}
     stub = types.SimpleNamespace(init=lambda **kwargs: init.update(kwargs) or run)
     monkeypatch.setitem(sys.modules, "wandb", stub)
-    log = _logger(tmp_path / "run", wandb_project="p", wandb_mode=mode)
+    log = _logger(tmp_path / "run", wandb=True, wandb_project="p", wandb_mode=mode)
     log.record(1, torch.tensor(5.0), torch.tensor(2.0), 1e-3, 8)
     log.record(2, torch.tensor(4.0), torch.tensor(2.0), 1e-3, 16)
     log.record_validation(2, 4.5, math.exp(4.5))
