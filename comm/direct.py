@@ -159,22 +159,34 @@ def _message(kind: int, seq: int, payload: bytes = b"") -> bytes:
     return _MSG.pack(MAGIC, kind, seq, len(payload)) + payload
 
 
-def make_mover(kind: str, device: torch.device | None, *, address: str = "127.0.0.1",
-               deadline: float = 300.0) -> Mover:
-    """One of :data:`~hetpipe.cluster.MOVERS`: 'auto' is IPC for a CUDA/ROCm device, shared memory for
-    anything else (one host); 'mooncake-*' is Mooncake's transfer engine over that protocol, reached at
-    ``address`` (any two hosts)."""
-    if kind == "shm":
-        return ShmMover()
-    if kind == "ipc":
-        return GpuIpcMover(device)
-    if kind in ("mooncake-tcp", "mooncake-rdma"):
-        return MooncakeMover(address=address, protocol=kind.split("-")[1], deadline=deadline, device=device)
-    if kind != "auto":
-        raise ChannelError(f"unknown mover {kind!r}; expected one of {MOVERS}")
+def _auto_mover(device: torch.device | None, address: str, deadline: float) -> Mover:
+    """'auto' within one host: GPU IPC for a CUDA/ROCm device, shared memory for anything else."""
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         return GpuIpcMover(device)
     return ShmMover()
+
+
+# Every name of hetpipe.cluster.MOVERS and how it is built; a new mover is one entry here (and its
+# name in MOVERS). 'mooncake-*' is Mooncake's transfer engine over that protocol, reached at
+# ``address`` (any two hosts).
+_MOVER_MAKERS: dict[str, Callable[[torch.device | None, str, float], Mover]] = {
+    "auto": _auto_mover,
+    "shm": lambda device, address, deadline: ShmMover(),
+    "ipc": lambda device, address, deadline: GpuIpcMover(device),
+    "mooncake-tcp": lambda device, address, deadline: MooncakeMover(address=address, protocol="tcp",
+                                                                    deadline=deadline, device=device),
+    "mooncake-rdma": lambda device, address, deadline: MooncakeMover(address=address, protocol="rdma",
+                                                                     deadline=deadline, device=device),
+}
+
+
+def make_mover(kind: str, device: torch.device | None, *, address: str = "127.0.0.1",
+               deadline: float = 300.0) -> Mover:
+    """The mover named ``kind``, one of :data:`~hetpipe.cluster.MOVERS` (see ``_MOVER_MAKERS``)."""
+    maker = _MOVER_MAKERS.get(kind)
+    if maker is None:
+        raise ChannelError(f"unknown mover {kind!r}; expected one of {MOVERS}")
+    return maker(device, address, deadline)
 
 
 class DirectChannel(ThreadedChannel[_DirectPeer]):

@@ -139,6 +139,7 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
         by_rank.update({r: p2p for r in same_vendor})
     if cross_vendor:
         peers = list(cross_vendor)
+        # Each peer's route: a channel kind (gloo, tcp) or, for kind=direct, the mover that carries it.
         choices = {p: (kind, f"cluster.transport.kind={kind}") for p in peers}
         if kind == "direct" and transport.mover == "auto":
             mine = MoverFacts.local(device)
@@ -146,21 +147,13 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
             choices = {p: choose_mover(facts[p], mine) for p in peers}
         elif kind == "direct":
             choices = {p: (transport.mover, f"cluster.transport.mover={transport.mover}") for p in peers}
-        for mover in sorted({mover for mover, _ in choices.values()}):
-            group = [p for p in peers if choices[p][0] == mover]
-            if mover == "gloo":
-                cross: Channel = GlooChannel(rank, group, dict(names), None, deadline=transport.deadline_s)
-            elif mover == "tcp":
-                cross = TcpChannel(rank, group, dict(names), store, token=token, addresses=addresses,
-                                   streams_per_address=transport.streams_per_address,
-                                   deadline=transport.deadline_s, device=device, message_mac=transport.message_mac)
-            else:
-                # Each mover's channel meets its peers under its own prefix: a rank may hold several.
-                cross = DirectChannel(rank, group, dict(names), dist.PrefixStore(f"hetpipe/mover/{mover}", store),
-                                      token=token, mover=mover, deadline=transport.deadline_s, device=device,
-                                      address=addresses[0])
+        for route in sorted({route for route, _ in choices.values()}):
+            group = [p for p in peers if choices[p][0] == route]
+            build = _CROSS_CHANNELS.get(route, _direct_channel)
+            cross = build(rank, group, names=names, store=store, cluster=cluster, token=token, device=device,
+                          addresses=addresses, route=route)
             if kind == "direct":
-                label = "tcp channel (fallback)" if mover == "tcp" else f"direct channel, mover {mover}"
+                label = "tcp channel (fallback)" if route == "tcp" else f"direct channel, mover {route}"
                 for p in group:
                     if rank < p:  # one line per boundary, from its lower rank
                         print(f"hetpipe: boundary {names[rank]} <-> {names[p]}: {label}: {choices[p][1]}",
@@ -169,3 +162,31 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
                 cross.notify_failures(on_failure)
             by_rank.update({r: cross for r in group})
     return by_rank
+
+
+def _gloo_channel(rank: int, group: list[int], *, names: Mapping[int, str], cluster: ClusterConfig,
+                  **_: object) -> Channel:
+    return GlooChannel(rank, group, dict(names), None, deadline=cluster.transport.deadline_s)
+
+
+def _tcp_channel(rank: int, group: list[int], *, names: Mapping[int, str], store: dist.Store,
+                 cluster: ClusterConfig, token: str, device: torch.device, addresses: list[str],
+                 **_: object) -> Channel:
+    t = cluster.transport
+    return TcpChannel(rank, group, dict(names), store, token=token, addresses=addresses,
+                      streams_per_address=t.streams_per_address, deadline=t.deadline_s, device=device,
+                      message_mac=t.message_mac)
+
+
+def _direct_channel(rank: int, group: list[int], *, names: Mapping[int, str], store: dist.Store,
+                    cluster: ClusterConfig, token: str, device: torch.device, addresses: list[str],
+                    route: str) -> Channel:
+    # Each mover's channel meets its peers under its own prefix: a rank may hold several.
+    return DirectChannel(rank, group, dict(names), dist.PrefixStore(f"hetpipe/mover/{route}", store),
+                         token=token, mover=route, deadline=cluster.transport.deadline_s, device=device,
+                         address=addresses[0])
+
+
+# The cross-vendor channel of each route that is a channel kind of its own; any other route
+# is a direct channel's mover (hetpipe.comm.direct).
+_CROSS_CHANNELS: dict[str, Callable[..., Channel]] = {"gloo": _gloo_channel, "tcp": _tcp_channel}

@@ -21,9 +21,13 @@ mover call                        verbs equivalent (NOT implemented)
                                   then be redundant, kept for uniformity)
 ================================  ==========================================
 
-The movers: :class:`~hetpipe.comm.shm_mover.ShmMover` (host shared memory,
-what CI runs) and :class:`~hetpipe.comm.ipc_mover.GpuIpcMover` (GPU memory of
-one host through torch's CUDA/HIP IPC).
+The movers (:data:`~hetpipe.cluster.MOVERS` names them, ``hetpipe.comm.direct``
+builds each from its entry in one table):
+:class:`~hetpipe.comm.shm_mover.ShmMover` (host shared memory of one host, what
+CI runs), :class:`~hetpipe.comm.ipc_mover.GpuIpcMover` (GPU memory of one host
+through torch's CUDA/HIP IPC) and :class:`~hetpipe.comm.mooncake_mover.MooncakeMover`
+(Mooncake's transfer engine between any two hosts, over TCP or RDMA: CI runs it
+over TCP between emulated nodes; RDMA is not verified on hardware).
 
 Region handles are JSON, never pickle: a peer's bytes are parsed, not executed.
 """
