@@ -20,7 +20,7 @@ import torch
 
 from hetpipe.models import CausalLM
 from hetpipe.models.split_backward import WeightBackward, backward_input, capture_output
-from hetpipe.precision import Bf16Weights, compute_context
+from hetpipe.models.precision import Bf16Weights, compute_context
 from hetpipe.actions import BWD_INPUT, BWD_WEIGHT, Action
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class PipelineEngine:
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype
         self.device = device
-        # See hetpipe.precision: "bf16" runs on ``weights`` (the working copies).
+        # See hetpipe.models.precision: "bf16" runs on ``weights`` (the working copies).
         if precision == "bf16" and weights is None:
             raise ValueError("precision 'bf16' needs the chunks' Bf16Weights")
         self.precision = precision

@@ -28,7 +28,7 @@ from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.partitioner.plan import Plan
-from hetpipe.precision import Bf16Weights
+from hetpipe.models.precision import Bf16Weights
 from hetpipe.pretrain_config import PretrainConfig
 from hetpipe.schedules import Action, forward_only
 from hetpipe.topology import Topology

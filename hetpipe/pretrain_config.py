@@ -21,7 +21,7 @@ from hetpipe.models.model_config import ModelConfig, preset_names
 from hetpipe.models.layers import sdpa_preference
 from hetpipe.models.recompute import check_recompute
 from hetpipe.partitioner.planner_config import PlannerConfig
-from hetpipe.precision import PRECISIONS
+from hetpipe.models.precision import PRECISIONS
 
 
 @dataclass
@@ -39,7 +39,7 @@ class TrainConfig:
     seed: int = 1234
     # bf16 (bf16 working copies of fp32 main weights, Megatron's --bf16),
     # bf16-autocast (fp32 weights under torch.autocast), fp32, or auto: bf16
-    # on GPUs, fp32 on CPUs. See hetpipe/precision.py.
+    # on GPUs, fp32 on CPUs. See models/precision.py.
     precision: str = "auto"
     # Steps between console log lines (metrics.jsonl gets every step).
     log_interval: int = 10

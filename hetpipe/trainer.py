@@ -5,7 +5,7 @@ One optimizer step consumes one global batch, split into microbatches whose
 gradients accumulate (each microbatch loss is scaled by 1/num_microbatches, so
 the step's gradient is that of the mean loss over the global batch, Megatron's
 convention). GPUs run bf16 working copies of fp32 main weights (Megatron's
-bf16 mode, see hetpipe.precision); CPUs run fp32.
+bf16 mode, see hetpipe.models.precision); CPUs run fp32.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from hetpipe.device_facts import check_local_devices
 from hetpipe.partitioner.catalog import catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.resolve import resolve_plan
-from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
+from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
 from hetpipe.profiling import profile_step
 from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule
 from hetpipe.topology import Topology, check_group_vendor

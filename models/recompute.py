@@ -34,7 +34,7 @@ stashed at the forward and the rerun runs under it inside
 ``torch.random.fork_rng``, so no RNG stream advances or changes (the models
 have no dropout today; a future one would draw the same mask twice).
 
-The bf16 working copies (:class:`hetpipe.precision.Bf16Weights`) stand in for
+The bf16 working copies (:class:`hetpipe.models.precision.Bf16Weights`) stand in for
 the parameters only while the engine runs a forward; the rerun happens in the
 backward, outside that window. A full-recompute layer therefore records, at
 its forward, which tensors its modules held (the bf16 copies) and which

@@ -11,10 +11,10 @@ pipeline's bubbles. :func:`backward_input` runs B and returns a
 How the work is divided, with no operation done twice:
 
 * The decoder's linears under gradient-accumulation fusion
-  (:class:`hetpipe.precision._LinearMainGrad`) compute their weight
+  (:class:`hetpipe.models.precision._LinearMainGrad`) compute their weight
   gradient as one GEMM of their own into fp32 ``.grad``. During B they
   queue that GEMM, with the saved input and the output gradient, instead of
-  running it (:func:`hetpipe.precision.deferring_main_grads`); W runs the
+  running it (:func:`hetpipe.models.precision.deferring_main_grads`); W runs the
   queue. This is the GEMM-heavy part on GPUs.
 * Every other weight gradient (plain linears in fp32, norms, embedding,
   head, biases) is split on the autograd graph. A *B node* is one from which
@@ -50,7 +50,7 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from hetpipe.precision import deferring_main_grads
+from hetpipe.models.precision import deferring_main_grads
 from hetpipe.torch_compat import disable_donated_buffers
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from hetpipe.models.layers import fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.catalog import DeviceSpec
-from hetpipe.precision import resolve_precision
+from hetpipe.models.precision import resolve_precision
 
 GIB = float(1 << 30)
 # Bytes per parameter in hetpipe's trainer (fp32 weights, fp32 grads, AdamW m and v).
@@ -70,7 +70,7 @@ class NetworkConfig:
 
 @dataclass(frozen=True)
 class Precision:
-    """Element sizes of the trainer's precision modes (hetpipe/precision.py).
+    """Element sizes of the trainer's precision modes (models/precision.py).
 
     ``bf16``: bf16 matmuls and a bf16 residual stream (stage boundaries carry
     bf16), plus a persistent bf16 working copy of every fp32 main weight.
@@ -93,7 +93,7 @@ class Precision:
     pure_bf16: bool = False
     # bf16 with gradient-accumulation fusion (train.grad_accumulation_fusion,
     # not under train.compile): the decoder linears' weight-gradient GEMMs
-    # add straight into fp32 .grad (hetpipe/precision.py), which decides what
+    # add straight into fp32 .grad (models/precision.py), which decides what
     # a zero-bubble W holds (weight_pass_bytes).
     fused_linear_grads: bool = False
 

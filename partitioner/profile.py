@@ -40,7 +40,7 @@ from hetpipe.models import build_model
 from hetpipe.models.layers import fuse_elementwise as fuse_module, fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
-from hetpipe.precision import Bf16Weights, activation_dtype, cast_parameters, compute_context, resolve_precision
+from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, compute_context, resolve_precision
 
 PROFILE_FORMAT = "hetpipe-profile/1"
 UNIT_KINDS = ("embedding", "layer", "head")

@@ -3,7 +3,7 @@
 each way of running the elementwise work is, and how long it takes to compile.
 
 A stage's layers run exactly as in training's bf16 mode: bf16 working copies
-of the fp32 weights (hetpipe.precision.Bf16Weights, with gradient-accumulation
+of the fp32 weights (hetpipe.models.precision.Bf16Weights, with gradient-accumulation
 fusion where the trainer uses it), a bf16 input that needs a gradient (like a
 received boundary activation), microbatches accumulated into fp32 gradients.
 Variants:
@@ -66,7 +66,7 @@ from hetpipe.models.layers import ATTENTION_BACKENDS, fuse_elementwise, set_atte
 from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
 from hetpipe.models.split_backward import backward_input
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
-from hetpipe.precision import Bf16Weights, compute_context
+from hetpipe.models.precision import Bf16Weights, compute_context
 from hetpipe.torch_compat import compiled_graph_count, donated_buffers_off, reset_compiler
 from hetpipe.profiling import profile_step
 

@@ -14,7 +14,7 @@ from conftest import run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.precision import Bf16Weights, cast_parameters, resolve_precision
+from hetpipe.models.precision import Bf16Weights, cast_parameters, resolve_precision
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,7 @@ from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.partitioner.plan import Plan
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
 from hetpipe.partitioner.resolve import resolve_plan
-from hetpipe.precision import Bf16Weights, compute_context
+from hetpipe.models.precision import Bf16Weights, compute_context
 from hetpipe.pretrain_config import resolve
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +39,7 @@ def _step(chunk, first: bool, last: bool, precision: str = "fp32") -> tuple:
     rng = torch.get_rng_state()
     for _ in range(2):
         tokens = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen)
-        # The residual stream's dtype: bf16 in bf16 mode (hetpipe.precision).
+        # The residual stream's dtype: bf16 in bf16 mode (hetpipe.models.precision).
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         hidden = torch.randn(BATCH, SEQ, CFG.hidden_size, generator=gen).to(dtype).requires_grad_()
         x = tokens if first else hidden

@@ -15,7 +15,7 @@ from hetpipe.models import build_model, model_preset
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import backward_input, capture_output
 from hetpipe.partitioner.plan import Plan, StagePlan
-from hetpipe.precision import Bf16Weights
+from hetpipe.models.precision import Bf16Weights
 
 pytestmark = pytest.mark.timeout(300)
 
