@@ -39,7 +39,7 @@ import queue
 import socket
 import struct
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -235,12 +235,11 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
         header = header_for(src, seq=0, microbatch=microbatch, kind=kind)
         ready = self.mover.capture(src) if header.nbytes else None
         with state.cond:
-            header = replace(header, seq=state.send_seq)
-            handle = CompletionHandle(owner=self.name, action=self.send_action(header, peer), deadline=self.deadline)
-            if state.error is not None:
-                handle.set_failed(state.error)
+            header, handle, posted = self._number(state, header, peer, send=True, make_handle=lambda header, action:
+                                                  CompletionHandle(owner=self.name, action=action,
+                                                                   deadline=self.deadline))
+            if not posted:
                 return handle
-            state.send_seq += 1
             op = _Send(handle, header, src, ready)
             answer = state.readies.pop(header.seq, None)
             if answer is None:
@@ -251,23 +250,19 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
 
     def irecv(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
         state = self._posting_peer(peer)
-        if not tensor.is_contiguous():
-            raise ChannelError(f"{self.name} cannot receive into a non-contiguous tensor "
-                               f"(shape {list(tensor.shape)}, strides {tensor.stride()})")
-        header = header_for(tensor, seq=0, microbatch=microbatch, kind=kind)
+        header = header_for(self._receivable(tensor), seq=0, microbatch=microbatch, kind=kind)
         buffer = self._cache.acquire(header.nbytes, tensor.device) if header.nbytes else None
         with state.cond:
-            header = replace(header, seq=state.recv_seq)
             # The mover's finish runs on the waiting thread (GPU stream ordering); it is known only at DONE.
-            handle = CompletionHandle(owner=self.name, action=self.recv_action(header, peer),
-                                      deadline=self.deadline, finish=lambda: op.run_finish())
+            header, handle, posted = self._number(state, header, peer, send=False, make_handle=lambda header, action:
+                                                  CompletionHandle(owner=self.name, action=action,
+                                                                   deadline=self.deadline,
+                                                                   finish=lambda: op.run_finish()))
             op = _Recv(handle, header, tensor, buffer)
-            if state.error is not None:
+            if not posted:
                 if buffer is not None:
                     self._cache.release(buffer)
-                op.handle.set_failed(state.error)
-                return op.handle
-            state.recv_seq += 1
+                return handle
             state.recvs[header.seq] = op
             region = buffer.region if buffer is not None else b""
             state.out.put(("send", _message(_READY, header.seq,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import queue
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -98,12 +98,11 @@ class GlooChannel(ThreadedChannel[_GlooPeer]):
         src = src.contiguous()
         header = header_for(src, seq=0, microbatch=microbatch, kind=kind)
         with state.cond:
-            header = replace(header, seq=state.send_seq)
-            handle = CompletionHandle(owner=self.name, action=self.send_action(header, peer), deadline=self.deadline)
-            if state.error is not None:
-                handle.set_failed(state.error)
+            header, handle, posted = self._number(state, header, peer, send=True, make_handle=lambda header, action:
+                                                  CompletionHandle(owner=self.name, action=action,
+                                                                   deadline=self.deadline))
+            if not posted:
                 return handle
-            state.send_seq += 1
             wire = torch.frombuffer(bytearray(encode_header(header)), dtype=torch.uint8)
             # Posted under the lock: gloo matches each tag's messages in posting order.
             works = [dist.isend(wire, dst=peer, group=self.group, tag=_HEADER_TAG)]
@@ -115,10 +114,7 @@ class GlooChannel(ThreadedChannel[_GlooPeer]):
 
     def irecv(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
         state = self._posting_peer(peer)
-        if not tensor.is_contiguous():
-            raise ChannelError(f"{self.name} cannot receive into a non-contiguous tensor "
-                               f"(shape {list(tensor.shape)}, strides {tensor.stride()})")
-        header = header_for(tensor, seq=0, microbatch=microbatch, kind=kind)
+        header = header_for(self._receivable(tensor), seq=0, microbatch=microbatch, kind=kind)
         finish = None
         if tensor.is_cuda:
             staging = torch.empty(header.nbytes, dtype=torch.uint8)
@@ -127,13 +123,11 @@ class GlooChannel(ThreadedChannel[_GlooPeer]):
         else:
             target = as_bytes(tensor)
         with state.cond:
-            header = replace(header, seq=state.recv_seq)
-            handle = CompletionHandle(owner=self.name, action=self.recv_action(header, peer),
-                                      deadline=self.deadline, finish=finish)
-            if state.error is not None:
-                handle.set_failed(state.error)
+            header, handle, posted = self._number(state, header, peer, send=False, make_handle=lambda header, action:
+                                                  CompletionHandle(owner=self.name, action=action,
+                                                                   deadline=self.deadline, finish=finish))
+            if not posted:
                 return handle
-            state.recv_seq += 1
             state.recvs.append(_Recv(header, target, handle))
             state.cond.notify_all()
         return handle

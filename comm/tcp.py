@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -201,13 +201,12 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
             data = memoryview(b"")  # zero-size GPU tensor: header only
         pieces = split_pieces(header.nbytes, len(state.links))
         with state.cond:
-            header = replace(header, seq=state.send_seq)
-            handle = StallNamingHandle(owner=self.name, action=self.send_action(header, peer),
-                                       deadline=self.deadline, stalled=lambda exc: self._stalled(state, op, exc))
-            if state.error is not None:
-                handle.set_failed(state.error)
+            header, handle, posted = self._number(
+                state, header, peer, send=True, make_handle=lambda header, action: StallNamingHandle(
+                    owner=self.name, action=action, deadline=self.deadline,
+                    stalled=lambda exc: self._stalled(state, op, exc)))
+            if not posted:
                 return handle
-            state.send_seq += 1
             op = _SendOp(handle, header, data, len(pieces), len(pieces), src, staging, ready)
             state.sends.add(op)
             # Enqueued under the peer lock so the per-link order is the sequence order.
@@ -217,10 +216,7 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
 
     def irecv(self, tensor: torch.Tensor, peer: int, *, microbatch: int, kind: str) -> Handle:
         state = self._posting_peer(peer)
-        if not tensor.is_contiguous():
-            raise ChannelError(f"{self.name} cannot receive into a non-contiguous tensor "
-                               f"(shape {list(tensor.shape)}, strides {tensor.stride()})")
-        header = header_for(tensor, seq=0, microbatch=microbatch, kind=kind)
+        header = header_for(self._receivable(tensor), seq=0, microbatch=microbatch, kind=kind)
         staging = posted = None
         if not tensor.is_cuda:
             view = memoryview(as_bytes(tensor).numpy())
@@ -230,16 +226,15 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         else:
             view = memoryview(bytearray())  # zero-size GPU tensor: nothing lands
         with state.cond:
-            header = replace(header, seq=state.recv_seq)
+            header, handle, ok = self._number(
+                state, header, peer, send=False, make_handle=lambda header, action: StallNamingHandle(
+                    owner=self.name, action=action, deadline=self.deadline,
+                    stalled=lambda exc: self._stalled(state, op, exc),
+                    finish=(lambda: HostStaging.join(op.dest, op.copied)) if staging is not None else None))
             op = _RecvOp(header, view, tensor, staging, posted)
-            op.handle = StallNamingHandle(owner=self.name, action=self.recv_action(header, peer),
-                                          deadline=self.deadline, stalled=lambda exc: self._stalled(state, op, exc),
-                                          finish=(lambda: HostStaging.join(op.dest, op.copied))
-                                          if staging is not None else None)
-            if state.error is not None:
-                op.handle.set_failed(state.error)
-                return op.handle
-            state.recv_seq += 1
+            op.handle = handle
+            if not ok:
+                return handle
             state.recvs[header.seq] = op
             state.cond.notify_all()
         return op.handle

@@ -23,10 +23,12 @@ import logging
 import threading
 import time
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Generic, Iterable, TypeVar
 
-from hetpipe.comm.channel import Channel, ChannelError, CompletionHandle
+import torch
+
+from hetpipe.comm.channel import Channel, ChannelError, CompletionHandle, FrameHeader
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class PeerState:
 
 
 PeerT = TypeVar("PeerT", bound=PeerState)
+HandleT = TypeVar("HandleT", bound=CompletionHandle)
 
 
 class ThreadedChannel(Channel, Generic[PeerT]):
@@ -101,6 +104,29 @@ class ThreadedChannel(Channel, Generic[PeerT]):
         """The per-peer state a new transfer to or from ``peer`` is queued on."""
         self.check_open(peer)
         return self._peers[peer]
+
+    def _receivable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, which a transfer lands in byte for byte, so it must be contiguous."""
+        if not tensor.is_contiguous():
+            raise ChannelError(f"{self.name} cannot receive into a non-contiguous tensor "
+                               f"(shape {list(tensor.shape)}, strides {tensor.stride()})")
+        return tensor
+
+    def _number(self, state: PeerT, header: FrameHeader, peer: int, *, send: bool,
+                make_handle: Callable[[FrameHeader, str], HandleT]) -> tuple[FrameHeader, HandleT, bool]:
+        """With ``state.cond`` held: ``header`` numbered in its direction's sequence, its handle
+        (``make_handle(header, action)``), and whether it was posted. A peer that has already
+        failed fails the handle at once (False) and the number stays free."""
+        header = replace(header, seq=state.send_seq if send else state.recv_seq)
+        handle = make_handle(header, self.send_action(header, peer) if send else self.recv_action(header, peer))
+        if state.error is not None:
+            handle.set_failed(state.error)
+            return header, handle, False
+        if send:
+            state.send_seq += 1
+        else:
+            state.recv_seq += 1
+        return header, handle, True
 
     @abstractmethod
     def _abandon(self, peer: PeerT) -> list[CompletionHandle]:
