@@ -11,9 +11,9 @@ Run eagerly, the memory-bound work around the GEMMs (RMSNorm in fp32, RoPE,
 SwiGLU's gate, the residual adds and the copies between layouts) is some 60
 small kernels per layer and microbatch, each reading and writing whole
 activations: 20-27 % of a LLaMA-3-8B stage's wall time on an H200 (profile in
-docs/benchmarks.md). With fusion on, each of the four pure functions below
-(:func:`rms_norm`, :func:`add_rms_norm`, :func:`rope_qkv`, :func:`swiglu`) is
-(and :func:`qk_norm_rope_qkv`, RoPE with Qwen3's QK-norm in front) is
+docs/benchmarks.md). With fusion on, each of the pure functions below
+(:func:`rms_norm`, :func:`add_rms_norm`, :func:`rope_qkv`, :func:`swiglu`,
+and :func:`qk_norm_rope_qkv`, RoPE with Qwen3's QK-norm in front) is
 compiled by ``torch.compile`` (Triton on GPUs) into one forward and one
 backward kernel, the idea of Megatron-LM's fused RMSNorm, RoPE and
 bias-SwiGLU kernels. The GEMMs (with gradient-accumulation fusion), SDPA and

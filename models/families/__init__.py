@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.families import llama, qwen2
+from hetpipe.models.families import llama, qwen2, qwen3
 from hetpipe.models.families.spec import FamilySpec, HFNames, TPPlan
 
 if TYPE_CHECKING:
     from hetpipe.models.model_config import ModelConfig
 
-_MODULES = (llama, qwen2)
+_MODULES = (llama, qwen2, qwen3)
 FAMILIES: dict[str, FamilySpec] = {m.SPEC.name: m.SPEC for m in _MODULES}
 
 
