@@ -166,3 +166,23 @@ def test_qwen3_pp2_across_vendors_trains_bitwise_like_one_process(tmp_path, corp
     _, pp2 = run_pretrain(tmp_path / "pp2", [*common, "cluster=cpu_mixed", "partition.layers=[1,3]"])
     assert [(r["loss"], r["grad_norm"]) for r in pp2] == [(r["loss"], r["grad_norm"]) for r in single]
     assert len(single) == 10 and single[-1]["loss"] < single[0]["loss"]
+
+
+def test_the_specs_import_nothing_of_the_runtime():
+    """models/families/ is read by the partitioner and the runtime alike, so it
+    imports only itself and hetpipe.errors (parsed, not run)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "models" / "families"
+    found = set()
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+    hetpipe = {m for m in found if m.startswith("hetpipe")}
+    assert hetpipe - {"hetpipe.errors"} <= {m for m in hetpipe if m.startswith("hetpipe.models.families")} | {
+        "hetpipe.models.model_config"}  # typing only, under TYPE_CHECKING
+    assert not {m for m in found if m.split(".")[0] in ("torch", "numpy", "transformers")}
