@@ -1,7 +1,12 @@
 """Conversion between hetpipe models and Hugging Face transformers.
 
-Maps configs and state dicts in both directions for ``LlamaForCausalLM`` and
-``Qwen2ForCausalLM``. Our layers fuse q/k/v and gate/up into single matrices;
+Maps configs and state dicts in both directions for every family of
+:mod:`hetpipe.models.families` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``). What differs between families (the HF names, extra
+config arguments, unsupported features, per-layer tensors beyond the dense
+decoder's) is read from the family's spec; this module holds what they
+share: the config fields, RoPE settings and the tensor layout below. Our
+layers fuse q/k/v and gate/up into single matrices;
 HF keeps them apart, so the converter concatenates and splits along the output
 dimension. Both sides use the same rotate-half RoPE layout, so no permutation
 of the q/k rows is needed. Conversion is exact: export then import returns the
@@ -15,9 +20,16 @@ from typing import Any, Mapping
 import torch
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.families import family_for_hf_model_type, spec_of
 from hetpipe.models.model_config import ModelConfig
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# ModelConfig field -> the HF config attribute every family's config has;
+# the key/value heads, tying and init scale, which older configs may lack,
+# are read with their defaults below.
+_CONFIG_FIELDS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                  "ffn_hidden_size": "intermediate_size", "num_attention_heads": "num_attention_heads",
+                  "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+                  "norm_epsilon": "rms_norm_eps"}
 # HF's keys of a "llama3" rope_scaling -> our ModelConfig fields.
 _LLAMA3_FIELDS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                   "high_freq_factor": "rope_high_freq_factor",
@@ -52,72 +64,85 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def to_hf_config(cfg: ModelConfig):
-    """A transformers config (LlamaConfig or Qwen2Config) describing ``cfg``."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A transformers config (the family's config class) describing ``cfg``."""
+    import transformers
 
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.norm_epsilon,
-        rope_theta=cfg.rotary_base,
-        tie_word_embeddings=cfg.share_embeddings_and_output_weights,
-        initializer_range=cfg.init_method_std,
-        hidden_act="silu",
-        architectures=[_ARCHITECTURES[cfg.family]],
-    )
+    spec = spec_of(cfg)
+    common = {hf: getattr(cfg, ours) for ours, hf in _CONFIG_FIELDS.items()}
+    common.update(num_key_value_heads=cfg.num_query_groups, rope_theta=cfg.rotary_base,
+                  tie_word_embeddings=cfg.share_embeddings_and_output_weights,
+                  initializer_range=cfg.init_method_std, hidden_act="silu", architectures=[spec.hf.architecture])
     if cfg.rope_scaling is not None:
         # Both transformers 4.x and 5.x take rope_scaling (with rope_theta beside
         # it); 5.x files it, theta included, under rope_parameters.
         common["rope_scaling"] = _hf_rope_scaling(cfg)
-    if cfg.family == "llama":
-        return LlamaConfig(**common, head_dim=cfg.head_dim, attention_bias=cfg.add_qkv_bias,
-                           mlp_bias=False)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads or not cfg.add_qkv_bias:
-        raise ConfigError("Qwen2 in transformers needs qkv biases and head size = hidden / heads")
-    return Qwen2Config(**common, use_sliding_window=False)
+    return getattr(transformers, spec.hf.config_class)(**common, **spec.hf_config_extra(cfg))
 
 
 def from_hf_config(hf_config: Any, name: str = "hf") -> ModelConfig:
-    """The ModelConfig of a transformers LlamaConfig / Qwen2Config."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _ARCHITECTURES:
-        raise ConfigError(f"HF model_type {model_type!r} is not supported (llama or qwen2)")
+    """The ModelConfig of a transformers config of a supported family."""
+    spec = family_for_hf_model_type(getattr(hf_config, "model_type", None))
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ConfigError(f"HF hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
-    if model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False):
-        raise ConfigError("HF Qwen2 config enables sliding-window attention, which hetpipe does not implement")
+    spec.hf_config_check(hf_config)
     if getattr(hf_config, "mlp_bias", False):
         raise ConfigError("HF config has MLP biases, which hetpipe does not implement")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return ModelConfig(
-        name=name,
-        family=model_type,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=heads,
+    fields = {ours: getattr(hf_config, hf) for ours, hf in _CONFIG_FIELDS.items()}
+    fields.update(
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
         kv_channels=None if head_dim == hf_config.hidden_size // heads else head_dim,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
         **_rope_fields(hf_config),
-        norm_epsilon=hf_config.rms_norm_eps,
-        add_qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        add_qkv_bias=spec.qkv_bias == "hf_requires" or bool(getattr(hf_config, "attention_bias", False)),
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
     )
+    return ModelConfig(name=name, family=spec.name, **fields)
 
 
-def _qkv_sizes(cfg: ModelConfig) -> list[int]:
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_query_groups * cfg.head_dim
-    return [q, kv, kv]
+# -- tensors -------------------------------------------------------------------------
+# One decoder layer: our tensor (under layers.<i>.) <- HF's (under
+# model.layers.<i>.), several HF tensors being concatenated along dim 0 into
+# one fused matrix of ours; "{kind}" is weight, and bias where the q/k/v
+# projections have one. A family's own tensors follow (spec.hf_layer_keys).
+_LAYER_KEYS = (("input_norm.weight", ("input_layernorm.weight",)),
+               ("post_attention_norm.weight", ("post_attention_layernorm.weight",)),
+               ("attention.qkv.{kind}", ("self_attn.q_proj.{kind}", "self_attn.k_proj.{kind}",
+                                         "self_attn.v_proj.{kind}")),
+               ("attention.out.weight", ("self_attn.o_proj.weight",)),
+               ("mlp.gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+               ("mlp.down.weight", ("mlp.down_proj.weight",)))
+
+
+def _layer_keys(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """(ours, HF parts) of one layer's tensors, in the order they are written."""
+    keys = []
+    for ours, hf in _LAYER_KEYS:
+        kinds = ("weight", "bias") if "{kind}" in ours and cfg.add_qkv_bias else ("weight",)
+        keys += [(ours.format(kind=k), tuple(p.format(kind=k) for p in hf)) for k in kinds]
+    return keys + [(ours, (hf,)) for ours, hf in spec_of(cfg).hf_layer_keys]
+
+
+def _split_sizes(cfg: ModelConfig, parts: int) -> list[int]:
+    """Rows of each HF part of a fused matrix: q, k, v, or gate and up."""
+    if parts == 3:
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_query_groups * cfg.head_dim
+        return [q, kv, kv]
+    return [cfg.ffn_hidden_size] * parts
+
+
+def hf_key_units(cfg: ModelConfig, key: str) -> set[int]:
+    """The model units an HF tensor feeds (empty: not one of ours)."""
+    last = cfg.num_units - 1
+    if key == "model.embed_tokens.weight":
+        return {0, last} if cfg.share_embeddings_and_output_weights else {0}
+    if key.startswith("model.layers."):
+        return {int(key.split(".")[2]) + 1}
+    if key in ("model.norm.weight", "lm_head.weight"):
+        return {last}
+    return set()
 
 
 def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -126,24 +151,20 @@ def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dic
                                     "model.norm.weight": state["head.norm.weight"]}
     if not cfg.share_embeddings_and_output_weights:
         out["lm_head.weight"] = state["head.output.weight"]
+    keys = _layer_keys(cfg)
     for i in range(cfg.num_layers):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = state[src + "input_norm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "post_attention_norm.weight"]
-        for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
-            q, k, v = state[src + f"attention.qkv.{kind}"].split(_qkv_sizes(cfg), dim=0)
-            for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[dst + f"self_attn.{proj}.{kind}"] = t.clone()
-        out[dst + "self_attn.o_proj.weight"] = state[src + "attention.out.weight"]
-        gate, up = state[src + "mlp.gate_up.weight"].chunk(2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate.clone()
-        out[dst + "mlp.up_proj.weight"] = up.clone()
-        out[dst + "mlp.down_proj.weight"] = state[src + "mlp.down.weight"]
+        for ours, hf in keys:
+            if len(hf) == 1:
+                out[dst + hf[0]] = state[src + ours]
+                continue
+            for part, t in zip(hf, state[src + ours].split(_split_sizes(cfg, len(hf)), dim=0)):
+                out[dst + part] = t.clone()
     return out
 
 
 def from_hf_state_dict(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers Llama/Qwen2 state dict -> our unit-keyed state dict."""
+    """A transformers state dict of ``cfg``'s family -> our unit-keyed state dict."""
     def take(key: str) -> torch.Tensor:
         if key not in hf_state:
             raise ConfigError(f"HF checkpoint lacks tensor {key!r}; is it a {cfg.family} model "
@@ -154,15 +175,10 @@ def from_hf_state_dict(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor]) -
            "head.norm.weight": take("model.norm.weight")}
     if not cfg.share_embeddings_and_output_weights:
         out["head.output.weight"] = take("lm_head.weight")
+    keys = _layer_keys(cfg)
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        out[dst + "input_norm.weight"] = take(src + "input_layernorm.weight")
-        out[dst + "post_attention_norm.weight"] = take(src + "post_attention_layernorm.weight")
-        for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
-            out[dst + f"attention.qkv.{kind}"] = torch.cat(
-                [take(src + f"self_attn.{p}.{kind}") for p in ("q_proj", "k_proj", "v_proj")], dim=0)
-        out[dst + "attention.out.weight"] = take(src + "self_attn.o_proj.weight")
-        out[dst + "mlp.gate_up.weight"] = torch.cat(
-            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")], dim=0)
-        out[dst + "mlp.down.weight"] = take(src + "mlp.down_proj.weight")
+        for ours, hf in keys:
+            parts = [take(src + p) for p in hf]
+            out[dst + ours] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out

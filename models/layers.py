@@ -1,4 +1,4 @@
-"""The building blocks of a LLaMA / Qwen2 decoder layer, in plain PyTorch.
+"""The building blocks of a LLaMA / Qwen2 / Qwen3 decoder layer, in plain PyTorch.
 
 Numerics follow the Hugging Face reference implementations closely (RMSNorm in
 fp32, RoPE with the rotate-half layout, the same inverse-frequency formula) so
@@ -11,8 +11,9 @@ Run eagerly, the memory-bound work around the GEMMs (RMSNorm in fp32, RoPE,
 SwiGLU's gate, the residual adds and the copies between layouts) is some 60
 small kernels per layer and microbatch, each reading and writing whole
 activations: 20-27 % of a LLaMA-3-8B stage's wall time on an H200 (profile in
-docs/benchmarks.md). With fusion on, each of the four pure functions below
-(:func:`rms_norm`, :func:`add_rms_norm`, :func:`rope_qkv`, :func:`swiglu`) is
+docs/benchmarks.md). With fusion on, each of the pure functions below
+(:func:`rms_norm`, :func:`add_rms_norm`, :func:`rope_qkv`, :func:`swiglu`,
+and :func:`qk_norm_rope_qkv`, RoPE with Qwen3's QK-norm in front) is
 compiled by ``torch.compile`` (Triton on GPUs) into one forward and one
 backward kernel, the idea of Megatron-LM's fused RMSNorm, RoPE and
 bias-SwiGLU kernels. The GEMMs (with gradient-accumulation fusion), SDPA and
@@ -36,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.families import spec_of
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.torch_compat import triton_available
 
@@ -156,6 +158,21 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 
+def qk_norm_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, groups: int,
+                     head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rope_qkv` with QK-norm first: every query and key head RMS-normed
+    over head_dim (one weight per projection), then rotated, as transformers'
+    Qwen3Attention orders them."""
+    batch, seq, _ = qkv.shape
+    q, k, v = qkv.split((heads * head_dim, groups * head_dim, groups * head_dim), dim=-1)
+    q = rms_norm(q.view(batch, seq, heads, head_dim), q_weight, eps)
+    k = rms_norm(k.view(batch, seq, groups, head_dim), k_weight, eps)
+    v = v.view(batch, seq, groups, head_dim)
+    cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+
+
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
@@ -216,18 +233,33 @@ class Attention(nn.Module):
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.add_qkv_bias)
         self.out = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        # QK-norm (Qwen3): one RMSNorm over head_dim for all query heads, one
+        # for all key heads. The TP plan keeps them whole on every rank.
+        self.q_norm = self.k_norm = None
+        if spec_of(cfg).qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_epsilon)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_epsilon)
+
+    def _fused_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.q_norm is None:
+            return compile_pure(rope_qkv)(qkv, cos, sin, self.num_heads, self.num_groups, self.head_dim)
+        return compile_pure(qk_norm_rope_qkv)(qkv, cos, sin, self.num_heads, self.num_groups, self.head_dim,
+                                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         if self.fused:
             # [b, s, h, d] views transposed to [b, h, s, d]: the layout SDPA's
             # kernels take without a copy.
-            q, k, v = compile_pure(rope_qkv)(self.qkv(x), cos, sin, self.num_heads, self.num_groups, self.head_dim)
+            q, k, v = self._fused_qkv(self.qkv(x), cos, sin)
             y = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k = k.view(batch, seq, self.num_groups, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
         # The tables come in the residual stream's dtype (fp32); under autocast
         # q/k are bf16, and rotating them in bf16 (as Hugging Face's bf16
@@ -285,6 +317,9 @@ class DecoderLayer(nn.Module):
                 linear.bias.zero_()
         self.input_norm.weight.fill_(1.0)
         self.post_attention_norm.weight.fill_(1.0)
+        for norm in (self.attention.q_norm, self.attention.k_norm):
+            if norm is not None:
+                norm.weight.fill_(1.0)
 
 
 def fuse_elementwise(model: nn.Module, enabled: bool = True) -> None:

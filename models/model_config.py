@@ -6,8 +6,10 @@ carry their numbers over. The same dataclass is the hydra structured-config
 schema for the ``model`` group, so a typo'd field or a string where an int
 belongs is refused when the config is composed.
 
-Presets (``llama8b``, ``qwen2_7b``, ``tiny_llama``, ``tiny_qwen2``) live as
+Presets (``llama8b``, ``qwen2_7b``, ``qwen3_8b``, ``tiny_llama`` ...) live as
 YAML in ``configs/model/`` so that hydra and plain Python read the same file.
+What a ``family`` adds to these numbers (optional parts, HF names, the
+arithmetic) is its spec's (:mod:`hetpipe.models.families`).
 """
 from __future__ import annotations
 
@@ -19,15 +21,15 @@ from typing import Optional
 import yaml
 
 from hetpipe.errors import ConfigError
-
-FAMILIES = ("llama", "qwen2")
+from hetpipe.models.families import family_spec
 
 
 @dataclass
 class ModelConfig:
     # Which preset this is; names the run directory and the HF architecture.
     name: str = "custom"
-    # "llama" (LLaMA-2/3 layout) or "qwen2" (adds q/k/v biases).
+    # A key of hetpipe.models.families.FAMILIES: "llama" (LLaMA-2/3 layout),
+    # "qwen2" (adds q/k/v biases) or "qwen3" (QK-norm, no biases).
     family: str = "llama"
     num_layers: int = 2
     hidden_size: int = 64
@@ -64,7 +66,7 @@ class ModelConfig:
     # original_max_position_embeddings).
     rope_original_max_position_embeddings: int = 8192
     norm_epsilon: float = 1e-5
-    # Qwen2 has biases on the q/k/v projections.
+    # Biases on the q/k/v projections (Qwen2; refused where the family has none).
     add_qkv_bias: bool = False
     # Tie the output head to the input embedding (Megatron's default is tied;
     # LLaMA-3-8B and Qwen2-7B are untied, small Qwen2 models are tied).
@@ -85,9 +87,7 @@ class ModelConfig:
         return self.num_layers + 2
 
     def validate(self) -> None:
-        if self.family not in FAMILIES:
-            raise ConfigError(
-                f"model.family={self.family!r} is not supported (choose one of {', '.join(FAMILIES)})")
+        spec = family_spec(self.family)
         for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                       "num_query_groups", "vocab_size", "max_position_embeddings"):
             if getattr(self, field) <= 0:
@@ -116,19 +116,17 @@ class ModelConfig:
                 raise ConfigError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and "
                                   f"model.rope_high_freq_factor={self.rope_high_freq_factor} "
                                   "must satisfy 0 < low < high")
+        spec.check_config(self)
 
     def num_parameters(self) -> int:
         """Exact parameter count of the full model (shared weights counted once)."""
-        h, hd = self.hidden_size, self.head_dim
-        qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * hd
-        attn = h * qkv_out + self.num_attention_heads * hd * h
-        if self.add_qkv_bias:
-            attn += qkv_out
-        mlp = 3 * h * self.ffn_hidden_size
-        layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h
-        head = h + (0 if self.share_embeddings_and_output_weights else self.vocab_size * h)
-        return embed + self.num_layers * layer + head
+        return family_spec(self.family).num_parameters(self)
+
+    @classmethod
+    def of_family(cls, family: str, **fields) -> "ModelConfig":
+        """A config of ``family`` with its released models' defaults (the
+        spec's ``config_defaults``) under ``fields``."""
+        return cls(family=family, **{**family_spec(family).config_defaults, **fields})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan of hetpipe's decoder (LLaMA-3, Qwen2): which module
+"""The tensor-parallel plan of hetpipe's decoder (LLaMA-3, Qwen2, Qwen3): which module
 becomes which TP counterpart, and which rows of its fused weights a rank keeps.
 
 The split is Megatron-LM's (Shoeybi et al., 2019, arXiv:1909.08053):
@@ -13,7 +13,11 @@ The split is Megatron-LM's (Shoeybi et al., 2019, arXiv:1909.08053):
   the down projection row-parallel;
 * the token embedding and the output head are split by vocabulary rows, and
   the loss never gathers the logits;
-* the norms stay whole on every rank.
+* the norms stay whole on every rank. A family's per-head norms (its spec's
+  ``tp.per_head_norms``: Qwen3's QK-norm, one head_dim weight shared by all
+  query or all key heads) do too, but each rank norms only its own heads,
+  so their weight gradients are partial and summed over the TP group, with
+  or without sequence parallelism.
 
 The plan is kept next to the model, as torchtitan keeps a ``parallelize.py``
 per model, and goes by module type: the model code never sees a process group
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.families import spec_of
 from hetpipe.models.layers import Attention, RMSNorm, SwiGLU
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.tp_modules import (TensorParallelAttention, TensorParallelCausalLM, TensorParallelSwiGLU,
@@ -119,7 +124,11 @@ def _attention(dense: Attention, cfg: ModelConfig, tp: TPGroup) -> TensorParalle
         replicated = ReplicatedKV(q_rows, q_rows + 2 * cfg.head_dim, heads[0], cfg.num_query_groups)
     qkv = column_parallel_linear(dense.qkv, rule, tp, replicated)
     out = row_parallel_linear(dense.out, even_rule(1, cfg.num_attention_heads * cfg.head_dim, tp.size), tp)
-    return TensorParallelAttention(cfg, tp, qkv, out, cfg.num_attention_heads // tp.size, len(heads))
+    whole = {name: getattr(dense, name) for name in spec_of(cfg).tp.per_head_norms}
+    for module in whole.values():
+        for param in module.parameters():
+            mark_replicated(param, tp, partial_grad=True)
+    return TensorParallelAttention(cfg, tp, qkv, out, cfg.num_attention_heads // tp.size, len(heads), whole)
 
 
 def _mlp(dense: SwiGLU, cfg: ModelConfig, tp: TPGroup) -> TensorParallelSwiGLU:
@@ -206,5 +215,5 @@ def parallelize_tensor(chunk: CausalLM, group: Optional[dist.ProcessGroup], tp_s
     for module in parallel.modules():
         for param in module.parameters(recurse=False):
             if getattr(param, "tp_shard", None) is None:
-                mark_replicated(param, tp, sequence_parallel=isinstance(module, RMSNorm))
+                mark_replicated(param, tp, partial_grad=isinstance(module, RMSNorm) and tp.sequence_parallel)
     return parallel

@@ -43,7 +43,7 @@ class TensorParallelAttention(Attention):
     query heads and the KV heads they read), ``out`` row-parallel."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, qkv: nn.Linear, out: nn.Linear,
-                 num_heads: int, num_groups: int) -> None:
+                 num_heads: int, num_groups: int, whole: Optional[dict[str, nn.Module]] = None) -> None:
         with torch.device("meta"):
             super().__init__(cfg)
         self.tp = tp
@@ -51,6 +51,9 @@ class TensorParallelAttention(Attention):
         kv_size = num_groups * self.head_dim
         self.split_sizes = (num_heads * self.head_dim, kv_size, kv_size)
         self.qkv, self.out = qkv, out
+        # Submodules kept whole on every rank (QK-norm's per-head norms).
+        for name, module in (whole or {}).items():
+            setattr(self, name, module)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = enter_column_parallel(x, self.tp)

@@ -34,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 
+from hetpipe.models.families import spec_of
 from hetpipe.models.layers import fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.catalog import DeviceSpec
@@ -189,15 +190,12 @@ class UnitCosts:
 
 
 # -- model arithmetic --------------------------------------------------------------
+# The per-layer figures are the model family's (hetpipe.models.families.dense,
+# through the family's spec); this section lays them out per unit and device.
 
 def layer_params(model: ModelConfig) -> tuple[int, int]:
     """(parameters split by TP, parameters every TP rank keeps) of one decoder layer."""
-    h, d = model.hidden_size, model.head_dim
-    qkv_out = (model.num_attention_heads + 2 * model.num_query_groups) * d
-    split = h * qkv_out + model.num_attention_heads * d * h + 3 * h * model.ffn_hidden_size
-    if model.add_qkv_bias:
-        split += qkv_out
-    return split, 2 * h  # the two RMSNorm weights are replicated
+    return spec_of(model).layer_params(model)
 
 
 def unit_params(model: ModelConfig, tp: int = 1, head_shares_embedding: bool = False) -> np.ndarray:
@@ -213,63 +211,23 @@ def unit_params(model: ModelConfig, tp: int = 1, head_shares_embedding: bool = F
 
 
 def forward_flops(model: ModelConfig, micro_batch_size: int, seq_length: int) -> np.ndarray:
-    """Megatron model FLOPs of one microbatch's forward, per unit (whole TP group).
-
-    The per-unit split of megatron_model_flops: a layer is
-    4bs(had + hgd + 1.5hf) + 4bs^2ad (full, not causal-halved, attention), the
-    head 2bshV, the embedding lookup none. Forward + backward is 3x this.
-    """
-    b, s, h = micro_batch_size, seq_length, model.hidden_size
-    a, g, d, f = model.num_attention_heads, model.num_query_groups, model.head_dim, model.ffn_hidden_size
-    layer = 4.0 * b * s * (h * a * d + h * g * d + 1.5 * h * f) + 4.0 * b * s * s * a * d
-    head = 2.0 * b * s * h * model.vocab_size
-    return np.array([0.0] + [layer] * model.num_layers + [head])
-
-
-def _norm_bytes(h: int, prec: Precision) -> int:
-    """Per token, what an RMSNorm feeding a matmul keeps: its input, the normalised
-    tensor and the weighted output (fp32, as the residual stream), plus the bf16
-    cast the matmul saves under autocast."""
-    e, r = prec.matmul_bytes, prec.residual_bytes
-    return h * (3 * r + (e if e != r else 0))
+    """Megatron model FLOPs of one microbatch's forward, per unit (whole TP group):
+    the per-unit split of megatron_model_flops (the embedding lookup counts none).
+    Forward + backward is 3x this."""
+    spec, b, s = spec_of(model), micro_batch_size, seq_length
+    layer = spec.layer_forward_flops(model, b, s)
+    return np.array([0.0] + [layer] * model.num_layers + [spec.head_forward_flops(model, b, s)])
 
 
 def layer_activation_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Precision) -> float:
-    """Bytes one decoder layer keeps for its backward (per microbatch, per device).
-
-    Counted tensor by tensor from the layer's autograd graph (the CPU profile
-    of tiny_llama measures it within 2%, the difference being the RoPE tables
-    that all layers of a stage share):
-    two RMSNorms (replicated over TP); attention keeps the fused qkv output,
-    the rotated q and k and the attention output (flash-style: no s x s
-    scores) plus its log-sum-exp; the SwiGLU keeps the gate/up output,
-    silu(gate) and the product feeding the down projection.
-
-    Fused elementwise kernels keep less: a norm keeps its input and its
-    per-token scale (its output is the matmul's saved input), RoPE keeps
-    nothing (the rotated q, k and the contiguous v are what attention
-    keeps), and SwiGLU keeps only the gate/up output.
-    """
-    e = prec.matmul_bytes
-    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_query_groups,
-                     model.head_dim, model.ffn_hidden_size)
-    if prec.fused_elementwise:
-        norm = h * (prec.residual_bytes + e) + 4
-        sharded = e * (2 * d * (a + g) + 3 * f) + 4 * a
-        return float(b * s * (2 * norm + sharded / tp))
-    sharded = e * (3 * d * (a + g) + 4 * f) + 4 * a
-    return float(b * s * (2 * _norm_bytes(h, prec) + 8 + sharded / tp))
+    """Bytes one decoder layer keeps for its backward (per microbatch, per device);
+    see hetpipe.models.families.dense.layer_activation_bytes."""
+    return spec_of(model).layer_activation_bytes(model, b, s, tp, prec)
 
 
 def head_activation_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Precision) -> tuple[float, float]:
-    """(kept, transient) bytes of the head: the norm, the fp32 log-softmax of the
-    logits and the labels are kept for the backward; the bf16 and fp32 logits
-    and the log-softmax's gradient exist while the head runs."""
-    e = prec.matmul_bytes
-    v = model.vocab_size
-    kept = b * s * (_norm_bytes(model.hidden_size, prec) + 8 + 4.0 * v / tp)
-    transient = b * s * (e + 4.0 + 4.0) * v / tp
-    return float(kept), float(transient)
+    """(kept, transient) bytes of the head (hetpipe.models.families.dense)."""
+    return spec_of(model).head_activation_bytes(model, b, s, tp, prec)
 
 
 def weight_pass_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Precision
@@ -278,36 +236,22 @@ def weight_pass_bytes(model: ModelConfig, b: int, s: int, tp: int, prec: Precisi
     (hetpipe/models/split_backward.py): (kept from B to W, weight gradients
     W materialises, of those what stays until W ends), per microbatch and device.
 
-    B runs autograd with ``retain_graph`` (the activations stay until W) and
-    keeps, for W, the gradient entering every weight GEMM: the output
-    gradients of qkv, the output projection, gate/up and down (e bytes; the
-    column-parallel ones split by TP, the row-parallel ones whole), in the
-    eager path also those entering the two norms' weight products, and on
-    the first stage the embedding output's gradient. The fused loss keeps
+    A layer's figures are its family's
+    (hetpipe.models.families.dense.layer_weight_pass_bytes). On the first
+    stage B also keeps the embedding output's gradient; the fused loss keeps
     its weight gradient from the forward (in the head's activations), so the
-    head keeps nothing more.
-
-    W, under gradient-accumulation fusion (bf16 on GPUs), runs the queued
-    GEMMs into fp32 ``.grad`` in place: nothing more. Otherwise it reruns
-    each GEMM node for its weight edge and backpropagates all the weight
-    gradients it collected at once (WeightBackward.run): a layer's linear
-    weights' size in gradients (e bytes), less the GEMM inputs the reruns
-    free (nothing else saved the two norms' outputs and SwiGLU's: measured on
-    CPU with tiny_llama, W freed 22 % of a microbatch's saved bytes).
+    head keeps nothing more, the eager one its norm's incoming gradient. W,
+    under gradient-accumulation fusion (bf16 on GPUs), runs the queued GEMMs
+    into fp32 ``.grad`` in place: nothing more.
     """
-    h, a, g, d, f = (model.hidden_size, model.num_attention_heads, model.num_query_groups,
-                     model.head_dim, model.ffn_hidden_size)
-    e, r = prec.matmul_bytes, prec.residual_bytes
-    norms = 0 if prec.fused_elementwise else 2 * h * r
-    layer = b * s * (e * (((a + 2 * g) * d + 2 * f) / tp + 2 * h) + norms)
-    kept = np.full(model.num_units, float(layer))
+    h, r = model.hidden_size, prec.residual_bytes
+    layer, layer_grad, freed = spec_of(model).layer_weight_pass_bytes(model, b, s, tp, prec)
+    kept = np.full(model.num_units, layer)
     kept[0] = b * s * h * r
     kept[-1] = 0.0 if prec.fused_elementwise else b * s * h * r
     grad = np.zeros(model.num_units)
     if not prec.fused_linear_grads:
-        split, _ = layer_params(model)
-        grad[1:-1] = split / tp * e
-    freed = b * s * (2 * h + f / tp) * e
+        grad[1:-1] = layer_grad
     return kept, grad, np.maximum(0.0, grad - freed)
 
 

@@ -37,6 +37,7 @@ import torch
 from hetpipe.comm.vendor import accelerator_name
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
+from hetpipe.models.families import spec_of
 from hetpipe.models.layers import fuse_elementwise as fuse_module, fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
@@ -53,7 +54,7 @@ def profile_shape(model: ModelConfig, seq_length: int, precision: str,
             "num_attention_heads": model.num_attention_heads, "num_query_groups": model.num_query_groups,
             "head_dim": model.head_dim, "vocab_size": model.vocab_size,
             "add_qkv_bias": model.add_qkv_bias, "seq_length": seq_length, "precision": precision,
-            "fused_elementwise": fused_elementwise}
+            "fused_elementwise": fused_elementwise, **spec_of(model).layer_shape_fields()}
 
 
 def load_profile(path: str | Path) -> dict[str, list[dict]]:

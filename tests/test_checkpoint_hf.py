@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 CPU = torch.device("cpu")
 LLAMA = model_preset("tiny_llama", hidden_size=64, ffn_hidden_size=160)
 QWEN2 = model_preset("tiny_qwen2", hidden_size=64, ffn_hidden_size=160)
+QWEN3 = model_preset("tiny_qwen3", hidden_size=64, ffn_hidden_size=160)   # QK-norm, head size 48, tied
 SPLIT = [(0, 3), (3, 6)]
 TOKENS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -84,6 +85,17 @@ def test_export_tied_qwen2_in_bfloat16(tmp_path):
     assert torch.equal(hf.model.embed_tokens.weight, chunks[0].embedding.weight.detach().bfloat16().float())
 
 
+def test_export_qwen3_loads_in_transformers_with_our_logits(tmp_path):
+    chunks = _trained_pipeline_checkpoint(tmp_path / "ckpt", QWEN3)
+    out = export_hf(tmp_path / "ckpt" / "iter_0000002", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.head_dim == 48
+    # Two AdamW steps moved QK-norm's weights off 1, so they are really carried.
+    assert not torch.equal(hf.model.layers[0].self_attn.q_norm.weight, torch.ones(48))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, _our_logits(chunks), rtol=0, atol=1e-5)
+
+
 def _hf_dir(tmp_path, cfg, **save_kwargs):
     """A transformers model with random, non-trivial weights saved as a HF directory."""
     torch.manual_seed(0)
@@ -99,7 +111,7 @@ def _hf_dir(tmp_path, cfg, **save_kwargs):
     return out, hf
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, QWEN2], ids=["llama", "qwen2_tied"])
+@pytest.mark.parametrize("cfg", [LLAMA, QWEN2, QWEN3], ids=["llama", "qwen2_tied", "qwen3_tied"])
 def test_sharded_hf_directory_seeds_any_split(tmp_path, cfg):
     hf_dir, hf = _hf_dir(tmp_path, cfg, max_shard_size="200KB")
     assert (hf_dir / "model.safetensors.index.json").is_file()

@@ -20,7 +20,7 @@ from hetpipe.partitioner.cost import Precision, layer_activation_bytes
 from hetpipe.partitioner.profile import measure_units
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_fused_model_matches_eager_loss_and_gradients(name, one_thread):
     cfg = model_preset(name)
     eager, fused = build_model(cfg, seed=3), build_model(cfg, seed=3)
@@ -40,18 +40,21 @@ def test_fused_model_matches_eager_loss_and_gradients(name, one_thread):
     assert not any(m.fused for m in switched)
 
 
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_cost_model_counts_the_activations_a_layer_keeps(fused, one_thread):
+def test_cost_model_counts_the_activations_a_layer_keeps(fused, name, one_thread):
     """The profiler counts every tensor autograd saves; the cost model's formula
     (eager or fused) must agree within the RoPE tables all layers share."""
-    cfg = model_preset("tiny_llama")
+    cfg = model_preset(name)
     _, entry = measure_units(cfg, 128, 2, "fp32", repeats=1, warmup=1, fuse_elementwise=fused)
     measured = entry["units"]["layer"]["activation_bytes"]
     predicted = layer_activation_bytes(cfg, 2, 128, 1, Precision(4, fused_elementwise=fused))
     assert entry["shape"]["fused_elementwise"] is fused
     assert predicted <= measured <= predicted * 1.03
-    if fused:  # and fusion keeps markedly less
-        assert predicted < 0.75 * layer_activation_bytes(cfg, 2, 128, 1, Precision(4))
+    if fused:  # and fusion keeps markedly less (tiny_qwen3: 0.76 of eager, its
+        # QK-norm kernel keeping the qkv output it normalises)
+        ratio = 0.75 if name == "tiny_llama" else 0.8
+        assert predicted < ratio * layer_activation_bytes(cfg, 2, 128, 1, Precision(4))
 
 
 def test_when_layers_fuse(monkeypatch):

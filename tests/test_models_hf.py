@@ -1,4 +1,4 @@
-"""Our LLaMA / Qwen2 implementations against transformers' reference models."""
+"""Our LLaMA / Qwen2 / Qwen3 implementations against transformers' reference models."""
 import dataclasses
 import json
 import math
@@ -30,6 +30,13 @@ CASES = {
                              vocab_size=320, max_position_embeddings=64, rotary_base=1e6,
                              norm_epsilon=1e-6, add_qkv_bias=True),
     "qwen2_tied": model_preset("tiny_qwen2"),
+    # QK-norm, untied, head size = hidden / heads (as Qwen3-8B).
+    "qwen3_gqa": ModelConfig(name="t", family="qwen3", num_layers=3, hidden_size=64,
+                             ffn_hidden_size=176, num_attention_heads=8, num_query_groups=2,
+                             vocab_size=320, max_position_embeddings=64, rotary_base=1e6,
+                             norm_epsilon=1e-6),
+    # Tied, and a head size of its own (48, not 128 / 4), as the small Qwen3 models.
+    "qwen3_tied_head_dim": model_preset("tiny_qwen3"),
     # Llama 3.1's "llama3" RoPE scaling, with an original context of 64 so
     # that head size 16's eight wavelengths (6.3 .. 19869 positions) fall in
     # all three bands: kept (< 64/4), blended (16 .. 64), slowed 8x (> 64/1).
@@ -100,6 +107,8 @@ def test_presets_have_published_sizes():
     # LLaMA-3-8B: 8.03B parameters; Qwen2-7B: 7.62B (their model cards).
     assert round(model_preset("llama8b").num_parameters() / 1e9, 2) == 8.03
     assert round(model_preset("qwen2_7b").num_parameters() / 1e9, 2) == 7.62
+    # Qwen3-8B: 8.19B (its model card says 8.2B).
+    assert round(model_preset("qwen3_8b").num_parameters() / 1e9, 2) == 8.19
     assert from_hf_config(to_hf_config(model_preset("llama8b")), "llama8b") == model_preset("llama8b")
 
 
@@ -186,4 +195,55 @@ def test_other_hf_rope_scalings_are_refused():
     hf_cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 128}
     with pytest.raises(ConfigError, match="RoPE scaling 'yarn', which hetpipe does not implement"):
+        from_hf_config(hf_cfg)
+
+
+# config.json of Qwen/Qwen3-8B, as its model card's repository ships it.
+QWEN3_8B_CONFIG_JSON = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_8b_config_imports_as_the_preset_and_exports_back(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG_JSON))
+    preset = model_preset("qwen3_8b")
+    assert from_hf_config(transformers.AutoConfig.from_pretrained(str(tmp_path)), "qwen3_8b") == preset
+    exported = tmp_path / "exported"
+    to_hf_config(preset).save_pretrained(str(exported))
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert from_hf_config(transformers.AutoConfig.from_pretrained(str(exported)), "qwen3_8b") == preset
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3", "qwen3_8b", "qwen2_7b", "llama8b"])
+def test_parameter_count_is_transformers_numel(name):
+    cfg = model_preset(name)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(to_hf_config(cfg))
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "HF Qwen3 config has attention biases"),
+    ({"use_sliding_window": True}, "HF Qwen3 config enables sliding-window attention"),
+])
+def test_unsupported_qwen3_features_are_refused(change, message):
+    hf_cfg = to_hf_config(model_preset("tiny_qwen3"))
+    for key, value in change.items():
+        setattr(hf_cfg, key, value)
+    with pytest.raises(ConfigError, match=message) as info:
+        from_hf_config(hf_cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_an_unknown_hf_model_type_names_the_supported_ones():
+    hf_cfg = to_hf_config(model_preset("tiny_llama"))
+    hf_cfg.model_type = "gemma"
+    with pytest.raises(ConfigError, match="HF model_type 'gemma' is not supported \\(llama, qwen2 or qwen3\\)"):
         from_hf_config(hf_cfg)

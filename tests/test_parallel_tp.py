@@ -31,6 +31,10 @@ CONFIGS = {
     "llama_kv_replicated": ("tiny_llama", dict(SMALL, num_query_groups=1)),
     "qwen2_bias_tied": ("tiny_qwen2", dict(SMALL, num_query_groups=2)),
     "qwen2_kv_replicated": ("tiny_qwen2", dict(SMALL, num_query_groups=1)),
+    # QK-norm (whole on every rank, partial gradients summed) with a head size
+    # of its own (48, not 64 / 4), and with its key head replicated.
+    "qwen3_qk_norm": ("tiny_qwen3", dict(SMALL, num_query_groups=2)),
+    "qwen3_kv_replicated": ("tiny_qwen3", dict(SMALL, num_query_groups=1)),
 }
 # (config, unit range or None for the whole model) - num_units is 4 here.
 CHUNKS = {
@@ -42,10 +46,12 @@ CHUNKS = {
     "qwen2_bias_tied/last": ("qwen2_bias_tied", (2, 4)),
     "llama_gqa/head_only": ("llama_gqa", (3, 4)),
     "qwen2_kv_replicated/middle": ("qwen2_kv_replicated", (1, 3)),
+    "qwen3_qk_norm/whole": ("qwen3_qk_norm", None),
+    "qwen3_kv_replicated/middle": ("qwen3_kv_replicated", (1, 3)),
 }
 SP_CHUNKS = list(CHUNKS)
 # Also run with train.fuse_elementwise's compiled kernels in the TP shards.
-FUSED_CHUNKS = ["llama_gqa/whole", "qwen2_kv_replicated/middle"]
+FUSED_CHUNKS = ["llama_gqa/whole", "qwen2_kv_replicated/middle", "qwen3_qk_norm/whole"]
 BATCH, SEQ = 2, 16
 
 # Tolerances follow from float32 rounding. TP adds up the same products as one
@@ -150,7 +156,8 @@ def job_grads(rank: int) -> dict:
 
 def job_train(rank: int) -> dict:
     out = {}
-    for cfg_name, sp in (("llama_gqa", False), ("qwen2_kv_replicated", False), ("qwen2_bias_tied", True)):
+    for cfg_name, sp in (("llama_gqa", False), ("qwen2_kv_replicated", False), ("qwen2_bias_tied", True),
+                         ("qwen3_qk_norm", True)):
         cfg = config(cfg_name)
         gen = torch.Generator().manual_seed(7)
         batches = [torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen) for _ in range(10)]
@@ -176,7 +183,7 @@ def job_train(rank: int) -> dict:
 def job_checkpoint(rank: int) -> dict:
     out = {}
     for case in ("llama_gqa/whole", "llama_kv_replicated/whole", "qwen2_bias_tied/whole",
-                 "qwen2_bias_tied/last", "qwen2_kv_replicated/middle"):
+                 "qwen2_bias_tied/last", "qwen2_kv_replicated/middle", "qwen3_qk_norm/whole"):
         cfg_name, units = CHUNKS[case]
         cfg = config(cfg_name)
         full = build_model(cfg, seed=9, units=units).state_dict()
@@ -265,8 +272,9 @@ def test_sequence_parallel_refuses_an_uneven_sequence(results):
     assert "sequence length 15 is not divisible by the tensor-parallel size 2" in results[0]["grads"]["odd_sequence"]
 
 
-@pytest.mark.parametrize("key", [("llama_gqa", False), ("qwen2_kv_replicated", False), ("qwen2_bias_tied", True)],
-                         ids=["llama_gqa", "qwen2_kv_replicated", "qwen2_tied_sp"])
+@pytest.mark.parametrize("key", [("llama_gqa", False), ("qwen2_kv_replicated", False), ("qwen2_bias_tied", True),
+                                 ("qwen3_qk_norm", True)],
+                         ids=["llama_gqa", "qwen2_kv_replicated", "qwen2_tied_sp", "qwen3_qk_norm_sp"])
 def test_ten_adamw_steps_match_single_process_losses(results, key):
     # The bound of one step's sums (see EPS); measured: 2.5 eps after ten steps.
     tol = longest_split_sum(config(key[0])) * EPS
@@ -281,7 +289,7 @@ def test_ten_adamw_steps_match_single_process_losses(results, key):
 
 
 @pytest.mark.parametrize("case", ["llama_gqa/whole", "llama_kv_replicated/whole", "qwen2_bias_tied/whole",
-                                  "qwen2_bias_tied/last", "qwen2_kv_replicated/middle"])
+                                  "qwen2_bias_tied/last", "qwen2_kv_replicated/middle", "qwen3_qk_norm/whole"])
 def test_checkpoint_helpers_round_trip_exactly(results, case):
     for rank in range(TP):
         r = results[rank]["checkpoint"][case]

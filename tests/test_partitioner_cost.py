@@ -35,7 +35,7 @@ def test_catalog_has_the_issue_devices_and_takes_overrides():
         device_spec("B300")
 
 
-@pytest.mark.parametrize("name", ["llama8b", "qwen2_7b", "tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("name", ["llama8b", "qwen2_7b", "qwen3_8b", "tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_unit_flops_and_params_add_up_to_the_model(name):
     model = model_preset(name)
     assert 3 * forward_flops(model, 2, 512).sum() == pytest.approx(megatron_model_flops(model, 2, 512), rel=1e-12)

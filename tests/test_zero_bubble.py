@@ -57,6 +57,8 @@ def _grads_of(preset: str, precision: str, recompute: str, split: bool, **overri
     ("tiny_llama", "fp32", "none", True),        # embedding and head share a weight on one chunk
     ("tiny_llama", "bf16", "none", False),       # fused linears: W runs their queued GEMMs
     ("tiny_qwen2", "bf16", "selective", False),
+    ("tiny_qwen3", "fp32", "none", False),       # QK-norm's weight products split between B and W
+    ("tiny_qwen3", "bf16", "selective", True),
 ])
 def test_split_backward_is_bitwise_the_whole_backward(one_thread, preset, precision, recompute, tied):
     tie = {"share_embeddings_and_output_weights": tied}

@@ -22,7 +22,7 @@ from hetpipe.checkpoint.compat import check_model_fits, config_differences
 from hetpipe.checkpoint.manifest import CheckpointError
 from hetpipe.checkpoint.names import load_targets, whole_model_shapes
 from hetpipe.models import CausalLM, ModelConfig
-from hetpipe.models.hf import from_hf_config, from_hf_state_dict
+from hetpipe.models.hf import from_hf_config, from_hf_state_dict, hf_key_units
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,18 +83,6 @@ class _LazyHFState(Mapping[str, torch.Tensor]):
         return len(self.files)
 
 
-def _hf_key_units(cfg: ModelConfig, key: str) -> set[int]:
-    """The model units an HF LLaMA/Qwen2 tensor feeds (mirrors models/hf.py's layout)."""
-    last = cfg.num_units - 1
-    if key == "model.embed_tokens.weight":
-        return {0, last} if cfg.share_embeddings_and_output_weights else {0}
-    if key.startswith("model.layers."):
-        return {int(key.split(".")[2]) + 1}
-    if key in ("model.norm.weight", "lm_head.weight"):
-        return {last}
-    return set()
-
-
 def read_hf_config(hf_dir: Path) -> ModelConfig:
     """The ModelConfig that an HF directory's config.json describes."""
     from transformers import AutoConfig
@@ -119,7 +107,7 @@ def load_hf_weights(hf_dir: str | Path, chunks: Sequence[CausalLM], model_cfg: M
         raise CheckpointError(f"Hugging Face model {hf_dir} does not match this run's model: "
                               f"{'; '.join(differences)}")
     held = {u for chunk in chunks for u in range(*chunk.unit_range)}
-    lazy = _LazyHFState(_weight_files(hf_dir), lambda key: bool(_hf_key_units(model_cfg, key) & held))
+    lazy = _LazyHFState(_weight_files(hf_dir), lambda key: bool(hf_key_units(model_cfg, key) & held))
     state = from_hf_state_dict(model_cfg, lazy)
     check_model_fits(f"Hugging Face model {hf_dir}", {}, {k: tuple(v.shape) for k, v in state.items()},
                      whole_model_shapes(model_cfg), model_cfg)

@@ -10,9 +10,11 @@ whole tensor reads that mark, never the parameter's name:
 * the global gradient norm counts every element once (:func:`tp_sq_norm_share`);
 * checkpoints gather and cut whole tensors (:mod:`hetpipe.parallel.checkpoint`);
 * after backward, :func:`finalize_tensor_parallel_grads` completes two kinds of
-  partial gradient: replicated weights that saw only this rank's tokens (the
-  norms under sequence parallelism) and key/value heads replicated over
-  several ranks (each replica computed only its own query heads' part).
+  partial gradient: replicated weights that saw only this rank's part of
+  the work (the norms under sequence parallelism, which see this rank's
+  tokens; per-head norms such as Qwen3's QK-norm, which see its heads) and
+  key/value heads replicated over several ranks (each replica computed only
+  its own query heads' part).
 
 Which rows or columns a model's weight splits into is the model's knowledge
 (:mod:`hetpipe.models.parallelize`); a :class:`ShardRule` only carries it.
@@ -54,13 +56,13 @@ class ReplicatedKV:
 class TPShard:
     """What a parameter is on this TP rank.
 
-    ``rule`` None: the whole tensor, the same on every rank. ``sequence_parallel``:
-    whole, but its gradient covers only this rank's tokens (needs the TP sum).
+    ``rule`` None: the whole tensor, the same on every rank. ``partial_grad``:
+    whole, but its gradient covers only this rank's tokens or heads (needs the TP sum).
     ``replicated_kv``: the rows of a KV head this rank shares with others.
     """
     tp: TPGroup
     rule: Optional[ShardRule] = None
-    sequence_parallel: bool = False
+    partial_grad: bool = False
     replicated_kv: Optional[ReplicatedKV] = None
 
 
@@ -89,10 +91,11 @@ def shard_parameter(param: nn.Parameter, rule: ShardRule, tp: TPGroup,
     return new
 
 
-def mark_replicated(param: nn.Parameter, tp: TPGroup, sequence_parallel: bool = False) -> None:
-    """Mark ``param`` as held whole by every TP rank; ``sequence_parallel``:
-    its module runs on this rank's sequence slice when SP is on (a norm)."""
-    param.tp_shard = TPShard(tp, sequence_parallel=sequence_parallel and tp.sequence_parallel)
+def mark_replicated(param: nn.Parameter, tp: TPGroup, partial_grad: bool = False) -> None:
+    """Mark ``param`` as held whole by every TP rank; ``partial_grad``: its
+    module runs on this rank's part only (a norm on the sequence slice under
+    SP, or on this rank's heads), so its gradient is summed over the group."""
+    param.tp_shard = TPShard(tp, partial_grad=partial_grad and tp.size > 1)
 
 
 def _linear(weight: nn.Parameter, bias: Optional[nn.Parameter]) -> nn.Linear:
@@ -156,11 +159,11 @@ def tp_sq_norm_share(param: torch.Tensor, tensor: Optional[torch.Tensor] = None)
 # Post-backward gradient reductions
 # --------------------------------------------------------------------------
 
-def allreduce_sequence_parallel_grads(module: nn.Module) -> None:
-    """Sum over the TP group the gradients of the weights that saw only this
-    rank's sequence slice (the norms under SP). A no-op without SP."""
+def allreduce_partial_grads(module: nn.Module) -> None:
+    """Sum over the TP group the gradients of the whole weights that saw only
+    this rank's part (the norms under SP, per-head norms). A no-op without them."""
     params = [p for p in module.parameters()
-              if getattr(p, "tp_shard", None) is not None and p.tp_shard.sequence_parallel and p.grad is not None]
+              if getattr(p, "tp_shard", None) is not None and p.tp_shard.partial_grad and p.grad is not None]
     if not params:
         return
     grads = [p.grad for p in params]
@@ -201,5 +204,5 @@ def allreduce_replicated_kv_grads(module: nn.Module) -> None:
 def finalize_tensor_parallel_grads(module: nn.Module) -> None:
     """Every post-backward TP reduction ``module`` needs (call once per step,
     after the last micro-batch's backward and before clipping / the optimizer)."""
-    allreduce_sequence_parallel_grads(module)
+    allreduce_partial_grads(module)
     allreduce_replicated_kv_grads(module)
