@@ -7,7 +7,7 @@ launcher checks every rank's GPU before starting any rank; each rank checks
 its own device again once the job's watch exists, which is what covers ranks
 started by torchrun on other nodes. A plan that does not fit is refused with
 one line naming the stage, both figures and what would fit (exit 2, every
-rank ending with the same line: :mod:`hetpipe.job_watch`).
+rank ending with the same line: :mod:`hetpipe.launch.job_watch`).
 
 CPU ranks use host RAM, which the plan's GiB do not describe: they are checked
 only against a capacity declared for them, ``planner.memory_gib.<group>``

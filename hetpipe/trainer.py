@@ -30,14 +30,15 @@ from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
 from hetpipe.evaluate import build_validator, validation_loader
-from hetpipe import faults
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
-from hetpipe.launch import launch, rank_env, under_torchrun
+from hetpipe.launch import faults
+from hetpipe.launch.local import launch
+from hetpipe.launch.preemption import PreemptionWatch, write_marker
+from hetpipe.launch.rank_env import rank_env, restart_attempt, under_torchrun
+from hetpipe.launch.restart import resume_setting
 from hetpipe import memory_fit
 from hetpipe.metrics import MetricsLogger
 from hetpipe.nonfinite import NonFiniteGuard
-from hetpipe.preemption import PreemptionWatch, write_marker
-from hetpipe.restart import restart_attempt, resume_setting
 from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from hetpipe import faults
+from hetpipe.launch import faults
 from hetpipe.checkpoint.board import Abandoned, Board, LocalBoard, StoreBoard
 from hetpipe.checkpoint.commit import assemble_manifest, commit_directory
 from hetpipe.checkpoint.errors import CheckpointError
