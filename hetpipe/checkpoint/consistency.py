@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from hetpipe.checkpoint.digest import SELF_CHECKSUM, manifest_digest
 from hetpipe.checkpoint.errors import CheckpointError
 from hetpipe.checkpoint.layout import TRAINER_STATE, iter_dir_name, rng_file
-from hetpipe.checkpoint.manifest import SELF_CHECKSUM, manifest_digest
 from hetpipe.checkpoint.names import whole_model_shapes
 from hetpipe.errors import HetpipeError
 
