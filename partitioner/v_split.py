@@ -39,7 +39,8 @@ from typing import Optional
 import numpy as np
 
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.partitioner import schedule_model
+# Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan import even_split, unit_bounds
 from hetpipe.partitioner.split import INF, Split, minimax
