@@ -46,7 +46,7 @@ from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_atten
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import allow_retained_graphs
-from hetpipe.parallel.checkpoint import shard_fn
+from hetpipe.parallel.tp_slices import shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.parallel.zero1 import DistributedOptimizer

@@ -16,7 +16,7 @@ committer); with node-local disks it is each node's ranks, and each node's
 lowest rank commits the same manifest into its own directory.
 
 :class:`LocalBoard` serves a one-rank job; :class:`FileBoard` the
-synchronous :func:`~hetpipe.checkpoint.save.save_checkpoint`, whose ranks
+synchronous :func:`~hetpipe.checkpoint.sync_save.save_checkpoint`, whose ranks
 (possibly played one after another in one process) share a directory and
 pass their parts as files between two barriers.
 """

@@ -1,4 +1,5 @@
-"""A synchronous save from every rank at once, for scripts and tests.
+"""A synchronous save from every rank at once, for scripts and tests (the trainer's
+saver, asynchronous or not, is :mod:`hetpipe.checkpoint.saver`).
 
 :func:`save_checkpoint` is the :class:`~hetpipe.checkpoint.saver.CheckpointSaver`
 path without a background thread and without the job's store: the ranks
