@@ -27,7 +27,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.partitioner.catalog import DeviceSpec, detect_device_type
 
 if TYPE_CHECKING:
-    from hetpipe.partitioner.plan import Plan
+    from hetpipe.partitioner.plan_data import Plan
 
 GIB = 2**30
 

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from hetpipe.errors import EXIT_OUT_OF_MEMORY, ConfigError, OutOfDeviceMemory
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.plan_memory import planned_capacity_gib, predicted_memory_gib
 from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES
 

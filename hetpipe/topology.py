@@ -40,7 +40,7 @@ from hetpipe.launch.job_secret import require_job_secret
 from hetpipe.launch.job_watch import JobWatch, namespace
 from hetpipe.launch.nodes import NodeMap, roll_call
 from hetpipe.partitioner.catalog import DeviceSpec
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.torch_compat import set_gemm_sm_carveout
 
 

@@ -16,7 +16,7 @@ the solver and the report, which import them, so a sibling reached through it
 would be an import loop.
 """
 from hetpipe.partitioner.catalog import CATALOG, DeviceSpec, catalog_with, detect_device_type, device_spec
-from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.report import Solution
 from hetpipe.partitioner.solver import plan_for, solve

@@ -24,7 +24,7 @@ import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.inputs import TrainShape
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.planner_config import PlannerConfig
 
 

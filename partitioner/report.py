@@ -23,7 +23,7 @@ import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
 import hetpipe.partitioner.v_split as v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.split import Split
 from hetpipe.placement import Placement
 

@@ -39,7 +39,7 @@ import hetpipe.partitioner.schedule_model as schedule_model
 import hetpipe.partitioner.v_split as v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.inputs import TrainShape
-from hetpipe.partitioner.plan import Plan, StagePlan, unit_bounds
+from hetpipe.partitioner.plan_data import Plan, StagePlan, unit_bounds
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.report import ScheduleOption, Solution, build_solution
 from hetpipe.partitioner.split import INF, Split, best_split, evaluate_split, minimax

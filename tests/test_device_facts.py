@@ -15,7 +15,7 @@ from hetpipe.device_facts import (DeviceFacts, check_devices, check_local_device
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.launch.nodes import NodeMap, roll_call
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.solver import plan_for
 from hetpipe.pretrain_config import TrainConfig
 

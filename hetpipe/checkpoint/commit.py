@@ -23,7 +23,7 @@ from hetpipe.checkpoint.manifest import FORMAT, VERSION, WHOLE
 from hetpipe.checkpoint.names import whole_model_shapes
 from hetpipe.checkpoint.regions import Region
 from hetpipe.models import ModelConfig
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 
 
 def _check_covered(tensors: dict[str, dict[str, Any]], files: list[dict[str, Any]], model_cfg: ModelConfig,

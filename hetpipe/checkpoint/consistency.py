@@ -81,7 +81,7 @@ def _check_ranks(ckpt: Checkpoint, world: int) -> None:
 
 
 def _check_plan(ckpt: Checkpoint, world: int) -> None:
-    from hetpipe.partitioner.plan import Plan
+    from hetpipe.partitioner.plan_data import Plan
 
     try:
         plan = Plan.from_dict(dict(ckpt.manifest["plan"]))

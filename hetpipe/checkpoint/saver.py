@@ -38,7 +38,7 @@ from hetpipe.checkpoint.snapshot import HostBuffers, Snapshot, take_snapshot
 from hetpipe.checkpoint.writes import Holding, holdings, plan_writes
 from hetpipe.checkpoint.st_io import write_safetensors
 from hetpipe.models import CausalLM, ModelConfig
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 
 
 def _one_line(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ from hetpipe.checkpoint.board import FileBoard, LocalBoard
 from hetpipe.checkpoint.saver import CheckpointSaver
 from hetpipe.checkpoint.settings import CheckpointConfig
 from hetpipe.models import CausalLM, ModelConfig
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 
 
 def _world_barrier() -> None:
