@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hetpipe.errors import fail
 
@@ -17,6 +17,17 @@ def _this_node() -> str:
     """``node 1 of 2`` from launch_cluster.sh's variables, for the launcher's own lines."""
     node, nodes = os.environ.get("HETPIPE_NODE_RANK"), os.environ.get("HETPIPE_NNODES")
     return f"node {node} of {nodes}" if node and nodes else "this node"
+
+
+def _parse_args(argv: list[str]) -> Any:
+    """torchrun's own command line (``torch.distributed.run.parse_args``), under the
+    program name it had when this was hetpipe/launch.py: argparse takes the name
+    from sys.argv[0], now hetpipe/launch/__main__.py, for its usage and error lines."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "launch.py"
+    return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -48,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         RendezvousError,
         RendezvousTimeoutError,
     )
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
     # Like torch itself, only now: the agent imports torch at its top.
     from hetpipe.launch.agent import HANDLED_SIGNALS, agent_run, quiet_torch_launcher
@@ -56,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     require_supported_torch()
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = _parse_args(list(sys.argv[1:] if argv is None else argv))
     # SIGUSR1/SIGUSR2 too (train.preemption_signals): unhandled, either would
     # kill this launcher and leave its ranks running.
     handled = args.signals_to_handle.split(",")
