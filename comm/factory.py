@@ -42,7 +42,7 @@ from hetpipe.comm.p2p import TorchP2PChannel
 from hetpipe.comm.tcp import TcpChannel
 from hetpipe.comm.threaded import ThreadedChannel
 from hetpipe.errors import ConfigError
-from hetpipe.nodes import network_identity
+from hetpipe.launch.nodes import network_identity
 
 _FACTS_KEY = "hetpipe/direct_facts/{}"
 

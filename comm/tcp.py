@@ -33,7 +33,7 @@ the same NICs without failing over either, so the job would stall in its next
 collective anyway. A job that silently ran on half its links would also keep
 a stage split planned for twice the bandwidth. So the link's loss is an error
 that names it (interface, both addresses, the two stages): at once when the
-NIC goes down on a node (the job's watch, :mod:`hetpipe.job_watch`, sees its
+NIC goes down on a node (the job's watch, :mod:`hetpipe.launch.job_watch`, sees its
 state change), after half the deadline when it fails elsewhere on the path
 (a receive holds some pieces of a message and its other link has carried
 nothing since: :meth:`TcpChannel._watch_links`, measured at 9.6 s with a 15 s

@@ -7,7 +7,7 @@ that lacks a piece knows which link owed it. Each :class:`Link` records when a
 piece last crossed it; :func:`stall_report` turns that into the error a lost
 link gives (interface, both addresses, how long it carried nothing while
 another link of the same peer was moving data), and :class:`LinkStalled` is
-that error, which :mod:`hetpipe.job_watch` reports as the job's cause. A
+that error, which :mod:`hetpipe.launch.job_watch` reports as the job's cause. A
 transfer with no evidence against any one link (nothing moved anywhere) gets no
 report: the peer stopped, not a link.
 """

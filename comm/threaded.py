@@ -13,7 +13,7 @@ stopped (:meth:`ThreadedChannel._release`).
 
 A peer that fails while transfers are pending stops the whole job, not only
 the rank that waits on it: :meth:`ThreadedChannel.notify_failures` hands that
-first error to the job's watch (:mod:`hetpipe.job_watch`) from the I/O thread
+first error to the job's watch (:mod:`hetpipe.launch.job_watch`) from the I/O thread
 that saw it, so ranks blocked elsewhere (a collective, another boundary) learn
 the cause at once instead of through a secondary timeout.
 """

@@ -5,7 +5,7 @@ run of ``plan=auto cluster=gpu2_homogeneous`` - which declared H200 - on two
 H100s planned 126.9 GiB per device while its banner said "NVIDIA H100 80GB
 HBM3", and died of OOM at step 2. So every rank measures its device
 (:func:`device_facts`) and publishes the facts at the start-up roll call
-(:mod:`hetpipe.nodes`); every rank then checks every rank's facts against the
+(:mod:`hetpipe.launch.nodes`); every rank then checks every rank's facts against the
 type its group was planned for (:func:`check_devices`), and a launcher that
 starts the ranks on its own machine checks before starting any
 (:func:`check_local_devices`). A mismatch is one line naming both, exit 2,
@@ -27,7 +27,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.partitioner.catalog import DeviceSpec, detect_device_type
 
 if TYPE_CHECKING:
-    from hetpipe.partitioner.plan import Plan
+    from hetpipe.partitioner.plan_data import Plan
 
 GIB = 2**30
 

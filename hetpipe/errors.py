@@ -22,7 +22,7 @@ T = TypeVar("T")
 # that is a bug) is the code's or the machine's, and the launcher names the
 # rank and how it died. A device that ran out of memory is the plan's: a
 # restart would run out again at the same step, so the launcher does not
-# restart it (launch_agent.py). A launcher stopped by a signal exits 128 + its
+# restart it (hetpipe/launch/agent.py). A launcher stopped by a signal exits 128 + its
 # number (0 when preempted: every rank saved a checkpoint first).
 EXIT_CRASH = 1
 EXIT_BAD_INPUT = 2

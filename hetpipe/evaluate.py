@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
 from hetpipe.errors import ConfigError
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.models.precision import Bf16Weights
 from hetpipe.pretrain_config import PretrainConfig
 from hetpipe.schedules import Action, forward_only

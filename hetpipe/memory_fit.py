@@ -7,7 +7,7 @@ launcher checks every rank's GPU before starting any rank; each rank checks
 its own device again once the job's watch exists, which is what covers ranks
 started by torchrun on other nodes. A plan that does not fit is refused with
 one line naming the stage, both figures and what would fit (exit 2, every
-rank ending with the same line: :mod:`hetpipe.job_watch`).
+rank ending with the same line: :mod:`hetpipe.launch.job_watch`).
 
 CPU ranks use host RAM, which the plan's GiB do not describe: they are checked
 only against a capacity declared for them, ``planner.memory_gib.<group>``
@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from hetpipe.errors import EXIT_OUT_OF_MEMORY, ConfigError, OutOfDeviceMemory
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.plan_memory import planned_capacity_gib, predicted_memory_gib
 from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES
 

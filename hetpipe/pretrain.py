@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # before torch loads here: the ranks' server imports it meanwhile
-    from hetpipe.launch import prestart
+    from hetpipe.launch.local import prestart
 
     prestart(sys.argv[1:])
 
@@ -30,7 +30,7 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     def _run() -> None:
         from hetpipe.torch_compat import require_supported_torch  # torch loads only for a real run
-        from hetpipe.launch import under_torchrun
+        from hetpipe.launch.rank_env import under_torchrun
 
         if not under_torchrun():  # hetpipe.launch checked this node's torch already
             require_supported_torch()

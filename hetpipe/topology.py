@@ -10,9 +10,9 @@ configured cross-vendor channel.
 
 Before any group exists, each rank resolves its node's NICs from
 ``cluster.transport`` (:mod:`hetpipe.comm.nics`), answers the roll call
-(:mod:`hetpipe.nodes`) with them and its device, checks every rank's device
+(:mod:`hetpipe.launch.nodes`) with them and its device, checks every rank's device
 against the plan (:mod:`hetpipe.device_facts`) and arms the job's watch
-(:mod:`hetpipe.job_watch`);
+(:mod:`hetpipe.launch.job_watch`);
 on a multi-node job gloo and NCCL are pointed at the same NICs, so the world
 group never falls back to the address the host name resolves to (often
 loopback). Every group waits at most the transport deadline, so a node that
@@ -36,11 +36,11 @@ from hetpipe.comm.stage_link import StageLink
 from hetpipe.comm.vendor import detect_vendor
 from hetpipe.device_facts import DeviceFacts, check_devices, device_facts, devices_lines
 from hetpipe.errors import ConfigError
-from hetpipe.job_secret import require_job_secret
-from hetpipe.job_watch import JobWatch, namespace
-from hetpipe.nodes import NodeMap, roll_call
+from hetpipe.launch.job_secret import require_job_secret
+from hetpipe.launch.job_watch import JobWatch, namespace
+from hetpipe.launch.nodes import NodeMap, roll_call
 from hetpipe.partitioner.catalog import DeviceSpec
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.torch_compat import set_gemm_sm_carveout
 
 
@@ -334,7 +334,7 @@ class Topology:
 
     def job_token(self) -> str:
         """The job's shared secret for the socket channels' handshakes, from the launcher's
-        environment or an owner-only file (:mod:`hetpipe.job_secret`), never through the
+        environment or an owner-only file (:mod:`hetpipe.launch.job_secret`), never through the
         store, which anyone who reaches it can read and rewrite. Asked on every rank, so a
         job that needs one and has none stops on every rank with the same line; '' for a
         job whose boundaries need no handshake (all same-vendor, or the gloo transport)."""

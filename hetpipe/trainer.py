@@ -31,14 +31,15 @@ from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
 from hetpipe.evaluate import build_validator, validation_loader
-from hetpipe import faults
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
-from hetpipe.launch import launch, rank_env, under_torchrun
+from hetpipe.launch import faults
+from hetpipe.launch.local import launch
+from hetpipe.launch.preemption import PreemptionWatch, write_marker
+from hetpipe.launch.rank_env import rank_env, restart_attempt, under_torchrun
+from hetpipe.launch.restart import resume_setting
 from hetpipe import memory_fit
 from hetpipe.metrics import MetricsLogger, RunShape
 from hetpipe.nonfinite import NonFiniteGuard
-from hetpipe.preemption import PreemptionWatch, write_marker
-from hetpipe.restart import restart_attempt, resume_setting
 from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
@@ -46,13 +47,13 @@ from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_atten
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import allow_retained_graphs
-from hetpipe.parallel.checkpoint import shard_fn
+from hetpipe.parallel.tp_slices import shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.parallel.zero1 import DistributedOptimizer
 from hetpipe.device_facts import check_local_devices
 from hetpipe.partitioner.catalog import catalog_with, detect_device_type, device_spec
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
 from hetpipe.profiling import profile_step

@@ -9,9 +9,14 @@ settings (``planner_config``), and ``report`` describes the result, a
 one call a runner needs: explicit overrides, ``plan=auto`` or a plan file,
 then the checks. The partitioner reads the runtime's configs only through the
 protocols in ``inputs``.
+
+The package's modules import one another by their own path (``import
+hetpipe.partitioner.cost as cost``), never through this package: it imports
+the solver and the report, which import them, so a sibling reached through it
+would be an import loop.
 """
 from hetpipe.partitioner.catalog import CATALOG, DeviceSpec, catalog_with, detect_device_type, device_spec
-from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.report import Solution
 from hetpipe.partitioner.solver import plan_for, solve

@@ -30,7 +30,9 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.partitioner import cost, schedule_model
+# Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.cost as cost
+import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.partitioner.catalog import DeviceSpec, catalog_with, device_spec
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.planner_config import PlannerConfig

@@ -19,10 +19,12 @@ from typing import Optional
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner import cost, schedule_model
+# Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.cost as cost
+import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.inputs import TrainShape
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.planner_config import PlannerConfig
 
 

@@ -18,9 +18,12 @@ from hetpipe.cluster import ClusterConfig
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.partitioner import cost, schedule_model, v_split
+# Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.cost as cost
+import hetpipe.partitioner.schedule_model as schedule_model
+import hetpipe.partitioner.v_split as v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.split import Split
 from hetpipe.placement import Placement
 

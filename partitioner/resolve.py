@@ -17,7 +17,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.parallelize import check_tensor_parallel
 from hetpipe.partitioner.inputs import PartitionRequest, PlanRequest, TrainShape
-from hetpipe.partitioner.plan import Plan, StagePlan, even_split
+from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split
 from hetpipe.partitioner.solver import plan_for
 from hetpipe.placement import Placement
 

@@ -29,7 +29,7 @@ more), which is all this module says:
   ``max_in_flight``, :func:`in_flight`), each with its activations and the
   gradients its W needs; what the engine really holds, a little more, is
   :func:`memory_rows`'s. Full recomputation is refused (see
-  :class:`hetpipe.partitioner.plan.Plan`).
+  :class:`hetpipe.partitioner.plan_data.Plan`).
 * **gpipe**: all forwards, then all backwards. For equal stages its makespan
   equals 1F1B's (the simulator agrees); it keeps all M microbatches on every
   stage, so it only wins where nothing else is allowed. Its time is taken as

@@ -33,10 +33,13 @@ import numpy as np
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner import cost, schedule_model, v_split
+# Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.cost as cost
+import hetpipe.partitioner.schedule_model as schedule_model
+import hetpipe.partitioner.v_split as v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.inputs import TrainShape
-from hetpipe.partitioner.plan import Plan, StagePlan, unit_bounds
+from hetpipe.partitioner.plan_data import Plan, StagePlan, unit_bounds
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.report import ScheduleOption, Solution, build_solution
 from hetpipe.partitioner.split import INF, Split, best_split, evaluate_split, minimax

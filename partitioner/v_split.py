@@ -39,9 +39,10 @@ from typing import Optional
 import numpy as np
 
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.partitioner import schedule_model
+# Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.partitioner.cost_context import Candidate, CostContext
-from hetpipe.partitioner.plan import even_split, unit_bounds
+from hetpipe.partitioner.plan_data import even_split, unit_bounds
 from hetpipe.partitioner.split import INF, Split, minimax
 from hetpipe.partitioner.v_timing import makespan
 from hetpipe.placement import Placement

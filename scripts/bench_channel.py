@@ -56,7 +56,7 @@ from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_sett
 from hetpipe.comm.p2p import TorchP2PChannel
 from hetpipe.comm.tcp import TcpChannel
 from hetpipe.errors import HetpipeError
-from hetpipe.job_secret import find_job_secret
+from hetpipe.launch.job_secret import find_job_secret
 
 KIB, MIB = 1024, 1024 * 1024
 FULL_SIZES = [64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]

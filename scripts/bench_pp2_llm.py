@@ -70,7 +70,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hetpipe.errors import ConfigError, HetpipeError, fail, hydra_error_line
-from hetpipe.partitioner.plan import Plan, v_layers
+from hetpipe.partitioner.plan_data import Plan, v_layers
 from hetpipe.partitioner.resolve import build_plan
 from hetpipe.partitioner.schedule_model import PLANNED_SCHEDULES
 from hetpipe.partitioner.solver import plan_for, solve
@@ -86,7 +86,7 @@ PYTHON = [sys.executable]
 
 VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 # hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.
-# zb_v halves each rank's --layers count into its two chunks (partitioner.plan.v_layers).
+# zb_v halves each rank's --layers count into its two chunks (partitioner.plan_data.v_layers).
 HETPIPE_SCHEDULES = tuple(name for name in SCHEDULES if name != "interleaved_1f1b")
 
 # Both hetpipe and the peer follow this optimizer schedule: lr 3e-4 (the

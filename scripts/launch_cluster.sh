@@ -2,7 +2,7 @@
 # Start hetpipe on this node: one torchrun per node, c10d rendezvous.
 #
 # Run it on every node with the same arguments (pretrain's overrides). The
-# node's place in the job comes from hetpipe/scheduler_env.py, which reads
+# node's place in the job comes from hetpipe/launch/scheduler_env.py, which reads
 # (auto-detected, or HETPIPE_SCHEDULER=env|slurm|k8s):
 #   env    your own NODE_RANK (the node's index in the cluster config's group
 #          order: for h200_mi325x_2node node 0 is the H200 node, node 1 the
@@ -55,7 +55,7 @@ PYTHON=${PYTHON:-python}
 # multi-node job HETPIPE_LOCAL_ADDR, this node's first NIC as
 # cluster.transport selects it (a bad or missing variable, or a NIC this node
 # lacks, is one "hetpipe: error:" line and exit 2).
-place=$("$PYTHON" -m hetpipe.scheduler_env --scheduler "${HETPIPE_SCHEDULER:-auto}" -- "$@")
+place=$("$PYTHON" -m hetpipe.launch.scheduler_env --scheduler "${HETPIPE_SCHEDULER:-auto}" -- "$@")
 eval "$place"
 
 # scheduler_env has checked that the token file is its owner's only and not empty.

@@ -17,7 +17,7 @@ from torch.distributed import pipelining
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import model_preset
-from hetpipe.partitioner.plan import Plan, StagePlan, even_split, v_layers
+from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split, v_layers
 from hetpipe.pretrain_config import OptimizerConfig
 
 # --schedule -> torch.distributed.pipelining class.

@@ -7,7 +7,7 @@ These tests replay that attack with real processes, real sockets and a real
 TCPStore, and check what replaced the token: mutual HMAC challenge-response
 bound to both nonces, both ranks, the role and the TCP 4-tuple
 (comm/handshake.py), the optional per-message MAC (comm/message_mac.py), and
-the secret's sources (hetpipe/job_secret.py). The pytest process plays
+the secret's sources (hetpipe/launch/job_secret.py). The pytest process plays
 stage 0 (or an attacker's raw socket), spawned processes play stage 1 and the
 attacker. Every wait is bounded.
 """
@@ -50,7 +50,7 @@ from hetpipe.comm.message_mac import FrameMac
 from hetpipe.comm.rendezvous import endpoint_key, lookup_endpoints
 from hetpipe.comm.tcp import TcpChannel
 from hetpipe.errors import ConfigError
-from hetpipe.job_secret import find_job_secret, provide_local_secret, require_job_secret
+from hetpipe.launch.job_secret import find_job_secret, provide_local_secret, require_job_secret
 
 # Fixed, so spawned children (which re-import this module) hold the same one.
 SECRET = "5f0d8c4e2b7a91c3e6d04f1a8b2c7e9d3a6f0b5c8e1d4a7f2c9b6e3d0a5f8c1e"

@@ -17,7 +17,7 @@ import torch
 
 from conftest import run_cli, run_pretrain
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
-from hetpipe.checkpoint.manifest import SELF_CHECKSUM, manifest_digest
+from hetpipe.checkpoint.digest import SELF_CHECKSUM, manifest_digest
 from hetpipe.models import build_model, model_preset
 from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.trainer import build_optimizer

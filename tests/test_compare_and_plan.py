@@ -8,7 +8,7 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.pretrain_config import PartitionConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
-from hetpipe.partitioner.plan import Plan, even_split
+from hetpipe.partitioner.plan_data import Plan, even_split
 from hetpipe.partitioner.resolve import build_plan
 
 

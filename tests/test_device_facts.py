@@ -14,8 +14,8 @@ from hetpipe.device_facts import (DeviceFacts, check_devices, check_local_device
                                   host_memory_gib)
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
-from hetpipe.nodes import NodeMap, roll_call
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.launch.nodes import NodeMap, roll_call
+from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.solver import plan_for
 from hetpipe.pretrain_config import TrainConfig
 

@@ -3,7 +3,7 @@
 Single node: the table and exit 0 on a clean config; one blocker line each
 and exit 1 for what this node lacks; exit 2 for a bad command line. Several
 nodes: two torchrun "nodes" on this host, with the test hooks of
-hetpipe/doctor_facts.py faking a torch version or another host on one of them.
+hetpipe/doctor/facts.py faking a torch version or another host on one of them.
 ``run_nodes`` takes a command prefix per node, so the same tests can run the
 nodes inside network namespaces (``ip netns exec NS``).
 """
@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from conftest import run_cli
 from hetpipe.comm.nics import Nic
-from hetpipe.doctor_facts import config_hash, file_digest
-from hetpipe.doctor_probe import ProbeServer, probe
-from hetpipe.doctor_report import blockers_of, torch_lines
+from hetpipe.doctor.facts import config_hash, file_digest
+from hetpipe.doctor.probe import ProbeServer, probe
+from hetpipe.doctor.report import blockers_of, torch_lines
 
 JOB = ["cluster=cpu_mixed", "+model=tiny_llama", "data=demo"]
 BLOCKER = "hetpipe doctor: blocker: "
@@ -100,7 +100,7 @@ def test_probe_measures_a_peer_that_knows_its_nonce_and_names_what_fails():
 
 
 def test_large_files_are_hashed_by_size_and_ends(tmp_path, monkeypatch):
-    monkeypatch.setattr("hetpipe.doctor_facts.WHOLE_FILE_BYTES", 1 << 20)
+    monkeypatch.setattr("hetpipe.doctor.facts.WHOLE_FILE_BYTES", 1 << 20)
     data = bytearray(3 << 20)
     (tmp_path / "a.bin").write_bytes(data)
     data[-1] = 1

@@ -194,7 +194,7 @@ def test_an_out_of_memory_on_one_rank_ends_the_job_at_once_with_one_cause_and_no
     # No silent wait: from the banner (step 1 starts next) the job is over well
     # within the bound; measured on two busy cores: 2-3 s to the cause, then 3.5 s
     # (ranks linger 1 s for their node's others, then the launcher's teardown,
-    # as long as after an exception: job_watch._LINGER_S, launch_agent.py).
+    # as long as after an exception: job_watch._LINGER_S, hetpipe/launch/agent.py).
     banner = next(t for t, line in out if line.startswith("hetpipe: tiny_llama"))
     first_error = next(t for t, line in err if line.startswith("hetpipe: error: "))
     assert ended - banner < 20 and ended - first_error < 10, \

@@ -10,7 +10,7 @@ newest, either one hosting the rendezvous store. What a user of such a
 cluster meets: the doctor's line for each node's build and no blocker, a
 job that trains, and losses and gradient norms equal bit for bit to a
 one-process run's on either release (fp32 on CPU). This is why the doctor
-allows any supported release on any node (hetpipe/doctor_report.py: torch_lines).
+allows any supported release on any node (hetpipe/doctor/report.py: torch_lines).
 """
 from __future__ import annotations
 

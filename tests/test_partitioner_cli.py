@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from conftest import run_cli
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 
 PAPER = ["+model=llama8b", "cluster=h200_mi325x_2node", "train.seq_length=4096", "train.micro_batch_size=1",
          "train.global_batch_size=128"]

@@ -12,7 +12,7 @@ from hetpipe.partitioner import solver
 from hetpipe.partitioner.catalog import catalog_with, device_spec
 from hetpipe.partitioner.cost import GIB, NetworkConfig, Precision, StageShape, unit_costs
 from hetpipe.partitioner.cost_context import CostContext
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import PROFILE_FORMAT, profile_shape
 from hetpipe.partitioner.schedule_model import memory_rows, schedules_for

@@ -17,7 +17,7 @@ from hetpipe.models import build_model, model_preset
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.precision import Bf16Weights, compute_context

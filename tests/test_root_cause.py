@@ -2,7 +2,7 @@
 
 Tried as a user would: one rank of a mixed tcp run is killed with SIGKILL (as
 the OOM killer or ``kill -9`` would), or raises (a bug), through the
-``HETPIPE_FAULT`` injection of hetpipe/faults.py. The other rank loses its
+``HETPIPE_FAULT`` injection of hetpipe/launch/faults.py. The other rank loses its
 connection to it; that loss is a consequence and must never be reported as the
 cause, nor end the job with status 2 (bad input). Each run is a tiny model
 stopped at its third step, a few seconds after its ranks start.
@@ -88,7 +88,7 @@ def test_oom_evidence_is_the_rise_of_the_cgroups_oom_kill_count(tmp_path):
     # The kernel's out-of-memory killer cannot be asked for here; its evidence can:
     # a v2 cgroup whose memory.events counts one more oom_kill after the rank
     # started than before, as /proc/<pid>/cgroup names it.
-    from hetpipe.exit_cause import Ending, OomCounters
+    from hetpipe.launch.exit_cause import Ending, OomCounters
 
     proc_dir, root = tmp_path / "proc", tmp_path / "cgroup"
     (proc_dir / "4242").mkdir(parents=True)
@@ -109,8 +109,8 @@ def test_a_lost_connection_posted_first_yields_to_the_signal_death_behind_it():
     # When a peer's "connection lost" stands before the watch posted the SIGKILL
     # that caused it (a starved watch on a busy machine), the death is the cause.
     from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER
-    from hetpipe.exit_cause import Ending
-    from hetpipe.launch_agent import Cause, root_cause
+    from hetpipe.launch.exit_cause import Ending
+    from hetpipe.launch.agent import Cause, root_cause
 
     lost = Cause("connection to stage 1 (group amd, amd, rank 1) lost: the peer closed the connection",
                  EXIT_LOST_PEER, printed=True)

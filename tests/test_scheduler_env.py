@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from hetpipe.errors import ConfigError
-from hetpipe.scheduler_env import (check_job_token, cluster_choice, derive, expand_hostlist, load_cluster,
+from hetpipe.launch.scheduler_env import (check_job_token, cluster_choice, derive, expand_hostlist, load_cluster,
                                    read_token_file)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -245,7 +245,7 @@ def test_multi_node_needs_a_token_but_one_machine_does_not():
 
 def test_cli_prints_exports_that_a_shell_evals():
     env = _clean_env(**_slurm_task("mi325x-a02"), HETPIPE_JOB_TOKEN="x", PYTHON=sys.executable)
-    script = ('eval "$("$PYTHON" -m hetpipe.scheduler_env -- +model=llama8b cluster=h200_mi325x_2node '
+    script = ('eval "$("$PYTHON" -m hetpipe.launch.scheduler_env -- +model=llama8b cluster=h200_mi325x_2node '
               'cluster.groups.0.nodes=2 cluster.groups.1.nodes=3 cluster.groups.1.ranks_per_node=4 '
               # this host has none of the shipped config's subnets; lo stands in
               'cluster.transport.subnets=null cluster.transport.interfaces=[lo])"; '
@@ -258,7 +258,7 @@ def test_cli_prints_exports_that_a_shell_evals():
 
 def test_cli_bad_variable_is_one_line_and_exit_2():
     env = _clean_env(**_slurm_task("h200-07", SLURM_HET_SIZE="3"), HETPIPE_JOB_TOKEN="x")
-    proc = subprocess.run([sys.executable, "-m", "hetpipe.scheduler_env", "--cluster", "h200_mi325x_2node"],
+    proc = subprocess.run([sys.executable, "-m", "hetpipe.launch.scheduler_env", "--cluster", "h200_mi325x_2node"],
                           env=env, cwd=REPO, text=True, capture_output=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stdout == ""

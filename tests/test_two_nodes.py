@@ -87,14 +87,14 @@ def test_the_shipped_two_node_config_selects_each_nodes_own_address(make_emulate
     nodes = make_emulated_nodes(subnets=["10.100.0.0/16"])
     env = {**plain_env(), "HETPIPE_JOB_TOKEN": "3" * 64, "RDZV_ENDPOINT": "10.100.0.1:29400"}
     for node in nodes.nodes:
-        proc = emu.run_in(node, [sys.executable, "-m", "hetpipe.scheduler_env", "--", "cluster=h200_mi325x_2node"],
+        proc = emu.run_in(node, [sys.executable, "-m", "hetpipe.launch.scheduler_env", "--", "cluster=h200_mi325x_2node"],
                           env={**env, "NODE_RANK": str(node.rank)}, cwd=REPO, text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert f"export HETPIPE_LOCAL_ADDR={node.addrs['eth1']}" in out.splitlines()
     # The old setting, a wildcard, is refused before anything starts, naming the setting.
-    proc = emu.run_in(nodes[0], [sys.executable, "-m", "hetpipe.scheduler_env", "--", "cluster=h200_mi325x_2node",
+    proc = emu.run_in(nodes[0], [sys.executable, "-m", "hetpipe.launch.scheduler_env", "--", "cluster=h200_mi325x_2node",
                                  "cluster.transport.subnets=null", "cluster.transport.addresses=[0.0.0.0]"],
                       env={**env, "NODE_RANK": "0"}, cwd=REPO, text=True, stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE)

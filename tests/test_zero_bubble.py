@@ -14,7 +14,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import backward_input, capture_output
-from hetpipe.partitioner.plan import Plan, StagePlan
+from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.models.precision import Bf16Weights
 
 pytestmark = pytest.mark.timeout(300)

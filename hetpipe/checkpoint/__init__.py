@@ -20,7 +20,7 @@ from hetpipe.checkpoint.layout import latest_checkpoint, resolve_checkpoint
 from hetpipe.checkpoint.load import LoadedCheckpoint, load_checkpoint
 from hetpipe.checkpoint.resume import restore
 from hetpipe.checkpoint.manifest import Checkpoint, CheckpointError
-from hetpipe.checkpoint.save import save_checkpoint
+from hetpipe.checkpoint.sync_save import save_checkpoint
 from hetpipe.checkpoint.saver import CheckpointSaver
 
 __all__ = [

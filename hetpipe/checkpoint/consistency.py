@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from hetpipe.checkpoint.digest import SELF_CHECKSUM, manifest_digest
 from hetpipe.checkpoint.errors import CheckpointError
 from hetpipe.checkpoint.layout import TRAINER_STATE, iter_dir_name, rng_file
-from hetpipe.checkpoint.manifest import SELF_CHECKSUM, manifest_digest
 from hetpipe.checkpoint.names import whole_model_shapes
 from hetpipe.errors import HetpipeError
 
@@ -81,7 +81,7 @@ def _check_ranks(ckpt: Checkpoint, world: int) -> None:
 
 
 def _check_plan(ckpt: Checkpoint, world: int) -> None:
-    from hetpipe.partitioner.plan import Plan
+    from hetpipe.partitioner.plan_data import Plan
 
     try:
         plan = Plan.from_dict(dict(ckpt.manifest["plan"]))

@@ -30,8 +30,11 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from hetpipe.checkpoint.manifest import MANIFEST, CheckpointError
+from hetpipe.checkpoint.errors import CheckpointError
 
+# Written last by a save: a directory that has it is a complete checkpoint
+# (its contents: hetpipe.checkpoint.manifest).
+MANIFEST = "manifest.json"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
 _COMPLETE = re.compile(r"^iter_(\d{7,})$")

@@ -13,7 +13,6 @@ Everything is safetensors or JSON; nothing is ever unpickled.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -21,39 +20,22 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 
 from hetpipe.checkpoint.assemble import Piece, Readers, Route, TensorEntry, plan_route, read_route
+from hetpipe.checkpoint.consistency import check_manifest
+from hetpipe.checkpoint.digest import SELF_CHECKSUM, file_record, manifest_digest, sha256_file
 from hetpipe.checkpoint.errors import CheckpointError
+from hetpipe.checkpoint.layout import MANIFEST
 from hetpipe.checkpoint.regions import Region
 from hetpipe.checkpoint.st_io import SafetensorsReader
 
-MANIFEST = "manifest.json"
 FORMAT = "hetpipe-checkpoint"
 VERSION = 2
 # Version 1 (whole tensors, one file each, no self-checksum) is still read.
 READABLE = (1, 2)
-SELF_CHECKSUM = "manifest_sha256"
 WHOLE = Region()
 
+# The format's names, some defined where they are used first (digest, layout), all readable from here.
 __all__ = ["MANIFEST", "FORMAT", "VERSION", "SELF_CHECKSUM", "Checkpoint", "CheckpointError", "file_record",
            "manifest_digest", "sha256_file"]
-
-
-def sha256_file(path: Path, block: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def file_record(path: Path) -> dict[str, Any]:
-    """The manifest entry of a written file."""
-    return {"name": path.name, "sha256": sha256_file(path), "size": path.stat().st_size}
-
-
-def manifest_digest(manifest: dict[str, Any]) -> str:
-    """sha256 of the manifest's canonical JSON without its own checksum field."""
-    body = {k: v for k, v in manifest.items() if k != SELF_CHECKSUM}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _tensor_entries(manifest: dict[str, Any], where: Path) -> dict[str, TensorEntry]:
@@ -81,8 +63,6 @@ class Checkpoint:
     """A complete checkpoint directory opened for reading (and checked: see consistency.py)."""
 
     def __init__(self, path: Path) -> None:
-        from hetpipe.checkpoint.consistency import check_manifest
-
         self.path = path
         self.manifest_path = path / MANIFEST
         if not self.manifest_path.is_file():

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from hetpipe import faults
+from hetpipe.launch import faults
 from hetpipe.checkpoint.board import Abandoned, Board, LocalBoard, StoreBoard
 from hetpipe.checkpoint.commit import assemble_manifest, commit_directory
 from hetpipe.checkpoint.errors import CheckpointError
@@ -38,7 +38,7 @@ from hetpipe.checkpoint.snapshot import HostBuffers, Snapshot, take_snapshot
 from hetpipe.checkpoint.writes import Holding, holdings, plan_writes
 from hetpipe.checkpoint.st_io import write_safetensors
 from hetpipe.models import CausalLM, ModelConfig
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 
 
 def _one_line(exc: BaseException) -> str:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetpipe.parallel.process_groups import group_size_rank
+from hetpipe.parallel.group_facts import group_size_rank
 
 
 @dataclass

@@ -20,7 +20,7 @@ The vocab-parallel cross-entropy is here too: it is the same kind of thing, a
 loss whose forward and backward are a few all-reduces over [tokens] vectors.
 
 Nothing here knows the model's layout: :mod:`hetpipe.models.tp_modules`
-places these functions, and :mod:`hetpipe.parallel.checkpoint` gathers
+places these functions, and :mod:`hetpipe.parallel.tp_slices` gathers
 shards with :func:`all_gather`. They run on gloo (CPU tests) and NCCL/RCCL
 alike.
 """
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hetpipe.errors import ConfigError
-from hetpipe.parallel.process_groups import all_gather_single, reduce_scatter_single
+from hetpipe.parallel.group_facts import all_gather_single, reduce_scatter_single
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 

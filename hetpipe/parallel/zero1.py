@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from hetpipe.parallel.process_groups import all_gather_single, group_size_rank, is_nccl
+from hetpipe.parallel.group_facts import all_gather_single, group_size_rank, is_nccl
 
 
 def _all_gather_flat(output: torch.Tensor, rank: int, shard: int, group: Optional[dist.ProcessGroup],

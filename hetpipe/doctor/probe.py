@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hetpipe.comm.nics import Nic, tx_bytes
-from hetpipe.doctor_config import DoctorSettings
+from hetpipe.doctor.config import DoctorSettings
 
 _PROBE_MAGIC = b"HPDOCTOR"
 # What the dialler sends per sendall(): large enough that the timing is of the link, not of Python.

@@ -12,7 +12,7 @@ read. The secret therefore comes, in this order, from:
 2. the file named by ``HETPIPE_JOB_TOKEN_FILE``, which must be a regular file
    that group and others cannot read (a Kubernetes secret mounted 0400);
 3. for a one-machine job started by hetpipe's own launcher
-   (:func:`hetpipe.launch.launch`), a fresh random secret that the launcher
+   (:func:`hetpipe.launch.local.launch`), a fresh random secret that the launcher
    hands its child ranks through their environment.
 
 A job started any other way (``torchrun``, on one machine or many) without

@@ -5,7 +5,7 @@ ones the config selects, RDMA devices and whether GPU memory can be
 registered for them, data and tokenizer checksums, the config's hash) and
 returns JSON-ready data, so that a node's sheet can be published through the
 rendezvous store and compared with the other nodes' sheets by
-hetpipe/doctor_report.py. Problems that this node alone can tell (a missing
+hetpipe/doctor/report.py. Problems that this node alone can tell (a missing
 data file, a down NIC) become blockers on the sheet itself.
 
 Test hooks (environment variables that tests set to fake a fact on one node;
@@ -34,7 +34,7 @@ import hetpipe
 from hetpipe.cluster import ClusterConfig
 from hetpipe.comm.nics import Nic, list_interfaces, resolve_local_nics, selection_setting
 from hetpipe.data.indexed import data_file_path, index_file_path
-from hetpipe.doctor_config import DoctorConfig
+from hetpipe.doctor.config import DoctorConfig
 from hetpipe.errors import ConfigError
 
 # Config keys that may differ between nodes of one job: NICs are per node, and

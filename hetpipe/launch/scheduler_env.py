@@ -19,7 +19,7 @@ sorts first would get the NVIDIA group's ranks. launch_cluster.sh therefore
 sets each worker's ``RANK`` to ``HETPIPE_FIRST_RANK + LOCAL_RANK``, which
 follows the cluster config whatever the host names are.
 
-    python -m hetpipe.scheduler_env [--scheduler auto|env|slurm|k8s] [--cluster NAME] [-- OVERRIDES...]
+    python -m hetpipe.launch.scheduler_env [--scheduler auto|env|slurm|k8s] [--cluster NAME] [-- OVERRIDES...]
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting
 from hetpipe.errors import ConfigError, config_error_from, run_cli
 # The token-file rules live in job_secret (one implementation); read_token_file stays importable from here.
-from hetpipe.job_secret import find_job_secret, read_token_file  # noqa: F401
+from hetpipe.launch.job_secret import find_job_secret, read_token_file  # noqa: F401
 
 SCHEDULERS = ("auto", "env", "slurm", "k8s")
 # torch's own default for a c10d rendezvous endpoint without a port.
@@ -436,7 +436,7 @@ def local_address(cluster: ClusterConfig) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m hetpipe.scheduler_env",
+        prog="python -m hetpipe.launch.scheduler_env",
         description="Print this node's launch environment as shell export lines (for launch_cluster.sh).")
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="auto",
                         help="where the node's place comes from (auto: NODE_RANK/NNODES, else Slurm, "

@@ -1,4 +1,5 @@
-"""Checkpoints under tensor and data parallelism: slices in, slices out.
+"""A TP rank's slice of a whole tensor and back: how checkpoints under tensor and
+data parallelism go slices in, slices out.
 
 Checkpoints stay plan-neutral (:mod:`hetpipe.checkpoint`): every tensor is
 known by its model-unit name and whole shape, and each rank saves the slice

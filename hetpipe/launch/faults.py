@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from hetpipe.errors import ConfigError
-from hetpipe.restart import restart_attempt
+from hetpipe.launch.rank_env import restart_attempt
 
 ENV = "HETPIPE_FAULT"
 POINTS = ("step", "grads", "save")

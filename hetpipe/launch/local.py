@@ -1,5 +1,5 @@
 """Start the ranks of a job: under torchrun use its environment, otherwise start
-the local ranks through PyTorch's own elastic launcher.
+the local ranks through PyTorch's own elastic launcher (the local launcher).
 
 No home-made process manager: for a cluster that fits on this machine,
 ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun
@@ -7,12 +7,12 @@ No home-made process manager: for a cluster that fits on this machine,
 WORLD_SIZE / MASTER_ADDR / MASTER_PORT, watches them, tears all of them down
 when one fails and restarts them ``max_restarts`` times (``train.max_restarts``).
 A multi-node cluster is started with one torchrun per node, through ``python
--m hetpipe.launch`` (what scripts/launch_cluster.sh runs): torchrun itself,
-except that a failure is one line instead of torchrun's traceback and error
-box. Both run torch's agent with hetpipe's additions (:mod:`hetpipe.launch_agent`):
+-m hetpipe.launch`` (what scripts/launch_cluster.sh runs, :mod:`hetpipe.launch.torchrun`):
+torchrun itself, except that a failure is one line instead of torchrun's traceback and error
+box. Both run torch's agent with hetpipe's additions (:mod:`hetpipe.launch.agent`):
 the root cause of a failure, a line per restart, preemption.
 
-Every rank runs under :func:`hetpipe.job_watch.stop_rank`: a rank that fails
+Every rank runs under :func:`hetpipe.launch.job_watch.stop_rank`: a rank that fails
 ends the job with one ``hetpipe: error:`` line per node (the first of the
 node's ranks to stop prints it; every rank ends with its cause's exit status): 1 a crashed rank (an exception; a
 rank killed by a signal, whose line its launcher writes), 2 bad input, 3 a
@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
-import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -36,32 +35,12 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.errors import ConfigError, fail
-from hetpipe.job_secret import provide_local_secret
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def restart_attempt() -> int:
-    """Which run of the job this process belongs to: 0, then 1 after the first restart...
-
-    The same on every node: hetpipe's launchers set ``HETPIPE_ATTEMPT`` from the
-    rendezvous round (launch_agent.py says why torch's
-    ``TORCHELASTIC_RESTART_COUNT`` is not); under a plain torchrun that count.
-    """
-    return int(os.environ.get("HETPIPE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-
-
-def rank_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) of this process (0, 1, 0 outside a launcher)."""
-    if under_torchrun():
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    return 0, 1, 0
+from hetpipe.errors import ConfigError
+from hetpipe.launch.job_secret import provide_local_secret
+from hetpipe.launch.rank_env import restart_attempt, under_torchrun
 
 
 def _worker(fn: Callable[..., Any], args: tuple) -> Any:
@@ -70,8 +49,8 @@ def _worker(fn: Callable[..., Any], args: tuple) -> Any:
     ``HETPIPE_STACK_DUMP_S=N`` makes every rank print all its threads' stacks
     after N seconds - the quickest way to see where a hung job waits.
     """
-    # Not at the top: job_watch imports torch, and main() must set TORCH_CPP_LOG_LEVEL before torch loads.
-    from hetpipe.job_watch import stop_rank
+    # Not at the top: job_watch imports torch, and a CLI imports this module for prestart() before torch.
+    from hetpipe.launch.job_watch import stop_rank
 
     _restore_signals()
     _share_cores()
@@ -120,7 +99,7 @@ def _exit_now(status: int) -> None:
 
 
 def _left_preemption_marker() -> bool:
-    from hetpipe.preemption import marker_dir
+    from hetpipe.launch.preemption import marker_dir
 
     directory = marker_dir(restart_attempt())
     return directory is not None and (directory / f"rank{os.environ.get('RANK', '0')}.json").is_file()
@@ -136,7 +115,7 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
     launcher, which restarts all of them up to ``max_restarts`` times when one
     fails. A failure ends this process with its cause in one line and its
     status; a preemption signal (SIGTERM, SIGUSR1...) that every rank saved a
-    checkpoint on ends it with status 0 (launch_agent.py).
+    checkpoint on ends it with status 0 (hetpipe/launch/agent.py).
     """
     world = cluster.world_size
     if under_torchrun():
@@ -157,7 +136,7 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
                           "node (see scripts/launch_cluster.sh)")
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hetpipe.launch_agent import HANDLED_SIGNALS, agent_run
+    from hetpipe.launch.agent import HANDLED_SIGNALS, agent_run, quiet_torch_launcher
 
     # The job secret authenticates channel handshakes: the configured one, or a
     # fresh one that only these children inherit (never through the store).
@@ -167,7 +146,7 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetpipe-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, monitor_interval=0.2,
         start_method="forkserver", signals_to_handle=HANDLED_SIGNALS)
-    _quiet_torch_launcher()
+    quiet_torch_launcher()
     return agent_run(lambda: elastic_launch(config, _worker)(fn, args))[0]
 
 
@@ -200,11 +179,11 @@ def _start_fork_server() -> None:
     attempt's variables: every rank inherits the server's environment, so a
     rank takes its attempt from TORCHELASTIC_RESTART_COUNT (one node: the
     rendezvous round) and its preemption directory from HETPIPE_LAUNCH_DIR
-    (hetpipe.preemption.marker_dir): one directory for this process's
+    (hetpipe.launch.preemption.marker_dir): one directory for this process's
     launches (hydra's multirun launches several; the server lives on), emptied
     before each. Nothing in the server runs a kernel or a thread, which is
     what makes forking it safe."""
-    from hetpipe.preemption import LAUNCH_DIR_ENV
+    from hetpipe.launch.preemption import LAUNCH_DIR_ENV
     from hetpipe.torch_compat import RANK_PRELOAD
 
     if not os.environ.get(LAUNCH_DIR_ENV):
@@ -214,7 +193,7 @@ def _start_fork_server() -> None:
         shutil.rmtree(entry, ignore_errors=True)
     context = multiprocessing.get_context("forkserver")
     # Not hetpipe.pretrain: a rank runs the main module anew (runpy warns when it is loaded already).
-    context.set_forkserver_preload([*RANK_PRELOAD, "hydra", "hetpipe.trainer", "hetpipe.launch"])
+    context.set_forkserver_preload([*RANK_PRELOAD, "hydra", "hetpipe.trainer", "hetpipe.launch.local"])
     # A scheduler's stop signal may reach every process of the job (Slurm
     # signals the whole step): the server must outlive it, or the agent reads
     # every rank as ended at once (status 255) and reports them unsaved while
@@ -260,83 +239,3 @@ def _restore_signals() -> None:
     """In a rank forked from the server: the stop signals it ignored act again."""
     for name in filter(None, os.environ.pop(_SERVER_IGNORES_ENV, "").split(",")):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-
-
-def _quiet_torch_launcher() -> None:
-    """The elastic agent logs state changes, signals and a failed rank's traceback,
-    and torch.multiprocessing a warning for each rank it stops; a failure is
-    reported in one line instead (launch_agent.py, and by the ranks themselves).
-    torch's elastic modules set a level on each of their own loggers, so each is
-    quietened, not just their parent."""
-    import torch.distributed.launcher.api  # noqa: F401 - creates the agent's loggers
-
-    prefixes = ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher")
-    names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith(prefixes)]
-    for name in {*prefixes, *names}:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _this_node() -> str:
-    """``node 1 of 2`` from launch_cluster.sh's variables, for the launcher's own lines."""
-    node, nodes = os.environ.get("HETPIPE_NODE_RANK"), os.environ.get("HETPIPE_NNODES")
-    return f"node {node} of {nodes}" if node and nodes else "this node"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m hetpipe.launch TORCHRUN_ARGS...``: torchrun with one-line failures.
-
-    A failed job exits with its ranks' status - 1 a crashed rank, 2 bad
-    input, 3 a lost node, link or peer, 4 a device out of memory - after
-    their lines; a rank that could not say why (killed by a signal) gets
-    this node's line, and so does a rendezvous that did not complete (exit
-    1). SIGTERM, SIGUSR1 and the
-    other signals torchrun forwards end it with 0 if every local rank saved a
-    checkpoint on it, else 128 + the signal (launch_agent.py).
-    """
-    # c10d's C++ warnings carry a C++ backtrace (30 lines); an agent's store
-    # client writes one when node 0's agent, which hosts the store, leaves
-    # first, as it does when a job fails. The level is read when torch loads,
-    # so the ranks, which inherit the environment restored below, keep the
-    # user's.
-    users_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    import torch  # noqa: F401
-
-    if users_level is None:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
-    else:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = users_level
-    from torch.distributed.elastic.rendezvous.api import (
-        RendezvousConnectionError,
-        RendezvousError,
-        RendezvousTimeoutError,
-    )
-    from torch.distributed.run import parse_args, run
-
-    from hetpipe.launch_agent import HANDLED_SIGNALS, agent_run
-    from hetpipe.torch_compat import require_supported_torch
-
-    require_supported_torch()
-
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    # SIGUSR1/SIGUSR2 too (train.preemption_signals): unhandled, either would
-    # kill this launcher and leave its ranks running.
-    handled = args.signals_to_handle.split(",")
-    args.signals_to_handle = ",".join(handled + [s for s in HANDLED_SIGNALS.split(",") if s not in handled])
-    _quiet_torch_launcher()
-    node = os.environ.get("HETPIPE_NNODES", "1") != "1"
-    try:
-        agent_run(lambda: run(args), node=f"{_this_node()}: " if node else "")
-    except RendezvousTimeoutError:
-        conf = dict(item.split("=", 1) for item in args.rdzv_conf.split(",") if "=" in item)
-        fail(f"{_this_node()}: not all {args.nnodes} nodes joined the rendezvous at {args.rdzv_endpoint} within "
-             f"{conf.get('join_timeout', 600)} s: did every node start, and can it reach that address?", code=1)
-    except RendezvousConnectionError:
-        fail(f"{_this_node()}: lost the rendezvous store at {args.rdzv_endpoint}: node 0, which hosts it, is "
-             "gone or unreachable", code=1)
-    except RendezvousError as exc:
-        fail(f"{_this_node()}: the rendezvous at {args.rdzv_endpoint} failed: {exc}", code=1)
-
-
-if __name__ == "__main__":
-    main()

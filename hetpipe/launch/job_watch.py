@@ -27,7 +27,7 @@ the launchers read as "this rank already said why":
   better - the peer raised (it posts its exception once its ``finally``
   blocks closed the connection) or was killed (its launcher, which saw the
   signal, posts "rank 1 (pid ...) was killed by SIGKILL", see
-  :mod:`hetpipe.launch_agent`); only a whole node gone leaves nobody to say
+  :mod:`hetpipe.launch.agent`); only a whole node gone leaves nobody to say
   more, and then the connection is the cause;
 * every rank lingers ``_LINGER_S`` after printing, so that its node's other
   ranks read the cause before their launcher stops them (torchrun stops a
@@ -69,9 +69,9 @@ from hetpipe.comm.nics import Nic, list_interfaces
 from hetpipe.comm.tcp_links import LinkStalled
 from hetpipe.comm.threaded import PeerLost
 from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER, HetpipeError, error_line
-from hetpipe.launch import restart_attempt
-from hetpipe.preemption import marker_dir
-from hetpipe.nodes import NodeMap, NodeMissing
+from hetpipe.launch.nodes import NodeMap, NodeMissing
+from hetpipe.launch.preemption import marker_dir
+from hetpipe.launch.rank_env import restart_attempt
 
 ABORT_KEY = "hetpipe/abort"
 # Four polls a second: a stopped job is noticed well within a second on every
@@ -79,7 +79,7 @@ ABORT_KEY = "hetpipe/abort"
 _POLL_S = 0.25
 # A channel's I/O thread sees a lost peer's EOF within milliseconds of gloo's
 # own error, and a launcher posts a killed rank's signal within its 20 ms poll
-# of its workers (launch_agent.py); a rank that raised posts once its
+# of its workers (hetpipe/launch/agent.py); a rank that raised posts once its
 # ``finally`` blocks closed its channels (up to 2 s, comm/threaded.py's joins,
 # usually milliseconds). The slack is for a busy machine.
 _GRACE_S = 2.0

@@ -2,7 +2,7 @@
 
 Its own module because every part of the doctor reads it (the fact sheet
 reads the job config, the probes and the report read the timeouts) while the
-entry point in hetpipe/doctor.py uses all of those parts; kept there, the
+entry point in hetpipe/doctor/cli.py uses all of those parts; kept there, the
 schema would make each part import the entry point that imports it.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ rank only notes it; the ranks agree on the stop through the step's gradient
 exchange (every rank's flag rides on it, :class:`hetpipe.gradients.ClipResult`),
 which puts every rank's stop after the same step.
 
-Under a launcher (``hetpipe.launch``), each rank leaves a marker in
+Under a launcher (:mod:`hetpipe.launch`), each rank leaves a marker in
 ``$HETPIPE_PREEMPT_DIR`` once its checkpoint is committed, which is how the
 launcher tells "preempted and saved" (exit 0) from "killed by the signal".
 """
@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 PREEMPT_DIR_ENV = "HETPIPE_PREEMPT_DIR"
 # The local launcher's directory for the whole launch: its ranks, forked from a
-# server started before any attempt (hetpipe.launch), inherit no per-attempt
+# server started before any attempt (hetpipe.launch.local), inherit no per-attempt
 # variable and use <it>/attempt<N> instead.
 LAUNCH_DIR_ENV = "HETPIPE_LAUNCH_DIR"
 

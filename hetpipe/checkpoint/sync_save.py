@@ -1,4 +1,5 @@
-"""A synchronous save from every rank at once, for scripts and tests.
+"""A synchronous save from every rank at once, for scripts and tests (the trainer's
+saver, asynchronous or not, is :mod:`hetpipe.checkpoint.saver`).
 
 :func:`save_checkpoint` is the :class:`~hetpipe.checkpoint.saver.CheckpointSaver`
 path without a background thread and without the job's store: the ranks
@@ -20,7 +21,7 @@ from hetpipe.checkpoint.board import FileBoard, LocalBoard
 from hetpipe.checkpoint.saver import CheckpointSaver
 from hetpipe.checkpoint.settings import CheckpointConfig
 from hetpipe.models import CausalLM, ModelConfig
-from hetpipe.partitioner.plan import Plan
+from hetpipe.partitioner.plan_data import Plan
 
 
 def _world_barrier() -> None:

@@ -1,4 +1,5 @@
-"""The partition plan: which layers each pipeline stage holds, and where.
+"""The partition plan: which layers each pipeline stage holds, and where - the data
+class :class:`Plan` (``python -m hetpipe.plan``, hetpipe/plan.py, is the command that prints one).
 
 A plan is data (YAML-serialisable): the partitioner writes one, and
 ``pretrain`` reads one or builds it from explicit overrides such as

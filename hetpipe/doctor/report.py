@@ -1,7 +1,7 @@
 """The doctor's verdict and tables: the nodes' fact sheets and probe results, read by a person.
 
-Pure functions over the JSON-ready sheets of hetpipe/doctor_facts.py and the
-pair results of hetpipe/doctor_probe.py, so every node prints the same
+Pure functions over the JSON-ready sheets of hetpipe/doctor/facts.py and the
+pair results of hetpipe/doctor/probe.py, so every node prints the same
 verdict from the same data and tests can feed hand-made sheets. Node 0 (the
 first node in the cluster config's group order) is the reference the other
 nodes are compared with.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.comm.nics import Nic, check_dialable, socket_ifname
-from hetpipe.doctor_config import DoctorSettings
+from hetpipe.doctor.config import DoctorSettings
 from hetpipe.errors import ConfigError
 from hetpipe.torch_compat import range_text, torch_release, unsupported_torch
 

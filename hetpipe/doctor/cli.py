@@ -20,7 +20,7 @@ without torchrun to check this node alone. It prints a table of this node
 whether GPU memory can be registered for RDMA - facts read from sysfs, not
 verified on RDMA hardware) and, under torchrun, compares the nodes through the
 rendezvous store: hetpipe version, each node's torch build (one line each:
-any supported release, CUDA or ROCm, on any node - doctor_report.torch_lines
+any supported release, CUDA or ROCm, on any node - report.torch_lines
 says from what evidence), config hash (the
 resolved config minus the fields that may differ per node: NIC addresses and
 interface names, data and tokenizer paths), data and tokenizer checksums, and
@@ -36,9 +36,9 @@ hosts: when the config gives a group several nodes, or when the nodes do not
 share one network stack (boot id and network namespace differ), which is
 also how emulated nodes in network namespaces are told apart.
 
-The work is split by job: hetpipe/doctor_facts.py reads this node's fact
-sheet (and documents the test hooks that fake a fact), hetpipe/doctor_probe.py
-probes the peers' NICs, hetpipe/doctor_report.py turns sheets and probe
+The work is split by job: hetpipe/doctor/facts.py reads this node's fact
+sheet (and documents the test hooks that fake a fact), hetpipe/doctor/probe.py
+probes the peers' NICs, hetpipe/doctor/report.py turns sheets and probe
 results into blockers and tables; this module finds the node's place, runs
 them in order and exchanges sheets and results through the rendezvous store.
 """
@@ -54,12 +54,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from hetpipe.comm.nics import Nic
-from hetpipe.doctor_config import DoctorConfig, DoctorSettings, register_doctor_config
-from hetpipe.doctor_facts import fact_sheet
-from hetpipe.doctor_probe import ProbeServer, describe_os_error, probe_peers
-from hetpipe.doctor_report import blockers_of, format_cluster, format_node, multi_node_job, torch_lines, warnings_of
-from hetpipe.errors import ConfigError, run_cli, run_hydra_cli
-from hetpipe.launch import under_torchrun
+from hetpipe.doctor.config import DoctorConfig, DoctorSettings, register_doctor_config
+from hetpipe.doctor.facts import fact_sheet
+from hetpipe.doctor.probe import ProbeServer, describe_os_error, probe_peers
+from hetpipe.doctor.report import blockers_of, format_cluster, format_node, multi_node_job, torch_lines, warnings_of
+from hetpipe.errors import ConfigError, run_cli
+from hetpipe.launch.rank_env import under_torchrun
 from hetpipe.pretrain_config import resolve
 
 _STORE_PREFIX = "hetpipe-doctor"
@@ -165,10 +165,6 @@ register_doctor_config()
 @hydra.main(version_base=None, config_path="pkg://hetpipe.configs", config_name="doctor")
 def main(cfg: DictConfig) -> None:
     # No require_supported_torch() here: an unsupported torch is one of the
-    # doctor's blockers, reported on every node (doctor_report.blockers_of).
+    # doctor's blockers, reported on every node (report.blockers_of).
     code = run_cli(lambda: run_doctor(resolve(cfg, DoctorConfig), cfg))
     raise SystemExit(code)
-
-
-if __name__ == "__main__":
-    run_hydra_cli(main)

@@ -13,8 +13,8 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
   workers with SIGTERM and before their lost connections say anything. A rank
   killed by a signal cannot say why; the agent posts "rank 1 (pid ...) was
   killed by SIGKILL" (with "probably by the kernel's out-of-memory killer" when
-  its cgroup's OOM count rose, :mod:`hetpipe.exit_cause`) as the job's verdict
-  (:mod:`hetpipe.job_watch`), which every other node prints once
+  its cgroup's OOM count rose, :mod:`hetpipe.launch.exit_cause`) as the job's verdict
+  (:mod:`hetpipe.launch.job_watch`), which every other node prints once
   instead of the connection it lost (those wait ``job_watch._GRACE_S`` for a
   better cause), and prints it itself. A rank that exited 1, 2, 3 or 4 printed
   its own line; the launcher adds none and exits with that status.
@@ -32,7 +32,7 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
   a checkpoint on a preemption signal leaves ``rank<R>.json``. The local
   launcher's ranks fork from a server started before any attempt and see
   neither variable: on one node the round is torch's restart count, and the
-  directory is ``$HETPIPE_LAUNCH_DIR/attempt<N>`` (hetpipe.launch).
+  directory is ``$HETPIPE_LAUNCH_DIR/attempt<N>`` (hetpipe.launch.local).
 * **Preemption.** On SIGTERM (and SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2:
   :data:`HANDLED_SIGNALS`, SIGUSR1 and SIGUSR2 added to torch's default list,
   whose default action would kill the launcher and orphan its ranks) torch's
@@ -64,9 +64,10 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, error_line
-from hetpipe.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
-from hetpipe.job_watch import namespace, post_verdict, posted_verdict
-from hetpipe.preemption import LAUNCH_DIR_ENV
+from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
+from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
+from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
+from hetpipe.launch.rank_env import ATTEMPT_ENV
 from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, rendezvous_round
 
 T = TypeVar("T")
@@ -75,8 +76,6 @@ T = TypeVar("T")
 # train.preemption_signals accepts.
 HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 _FORWARDED = {getattr(signal, name) for name in HANDLED_SIGNALS.split(",")}
-ATTEMPT_ENV = "HETPIPE_ATTEMPT"
-PREEMPT_DIR_ENV = "HETPIPE_PREEMPT_DIR"
 # The watch's poll of its workers: 50 waitid calls a second per worker, nothing
 # beside a rank's work, and 5-10x finer than the agent's own poll (0.1-0.2 s),
 # so that the first death is seen alone. Measured on two busy cores, 20
@@ -115,7 +114,7 @@ class HetpipeAgent(AgentHooks):
         self.first_round: Optional[int] = None
         # The local launcher's ranks fork from a server whose environment was set
         # before any attempt: they find the directory it made through it, and
-        # their attempt in torch's restart count (hetpipe.launch._start_fork_server).
+        # their attempt in torch's restart count (hetpipe.launch.local._start_fork_server).
         self.forked = bool(os.environ.get(LAUNCH_DIR_ENV))
         self.launch_dir = Path(os.environ.get(LAUNCH_DIR_ENV) or tempfile.mkdtemp(prefix="hetpipe-launch-"))
         self.watch: Optional[_WorkerWatch] = None
@@ -197,7 +196,7 @@ class HetpipeAgent(AgentHooks):
 
     def close(self) -> None:
         self.end_watch()
-        if not self.forked:  # the local launcher's outlives this launch (hetpipe.launch)
+        if not self.forked:  # the local launcher's outlives this launch (hetpipe.launch.local)
             shutil.rmtree(self.launch_dir, ignore_errors=True)
 
     # -- the cause -------------------------------------------------------------------
@@ -395,3 +394,17 @@ def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
     sys.stderr.flush()
     logging.shutdown()
     os._exit(status)
+
+
+def quiet_torch_launcher() -> None:
+    """The elastic agent logs state changes, signals and a failed rank's traceback,
+    and torch.multiprocessing a warning for each rank it stops; a failure is
+    reported in one line instead (by this agent, and by the ranks themselves).
+    torch's elastic modules set a level on each of their own loggers, so each is
+    quietened, not just their parent (they exist: this module imported
+    torch.distributed.launcher.api, which creates them)."""
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher")
+    names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith(prefixes)]
+    for name in {*prefixes, *names}:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+

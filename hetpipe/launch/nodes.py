@@ -3,7 +3,7 @@
 An error about a lost peer helps only if it says which machine to look at -
 "node 1 (amd, 10.201.0.2)", not "rank 2". Ranks are numbered group by group
 and node by node in the cluster config's order (launch_cluster.sh sets RANK
-from it, see :mod:`hetpipe.scheduler_env`), so a rank's node follows from the
+from it, see :mod:`hetpipe.launch.scheduler_env`), so a rank's node follows from the
 config; its addresses are what it says at the roll call.
 
 The roll call is the first thing every rank does with the job's store, before
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hetpipe.cluster import ClusterConfig
 from hetpipe.device_facts import DeviceFacts
 from hetpipe.errors import EXIT_LOST_PEER, HetpipeError
-from hetpipe.scheduler_env import node_layout
+from hetpipe.launch.scheduler_env import node_layout
 
 # How often the roll call looks for a failure another rank posted meanwhile.
 _POLL_S = 0.5

@@ -1,0 +1,28 @@
+"""Starting a job's ranks and ending them with one cause: everything between a
+command line and a rank's first training step, and after its last.
+
+* :mod:`~hetpipe.launch.local` - ``launch()``: run a function on every rank,
+  under torchrun or by spawning this machine's ranks (the local launcher);
+* :mod:`~hetpipe.launch.torchrun` - ``python -m hetpipe.launch``: torchrun
+  with one-line failures, one per node of a multi-node job;
+* :mod:`~hetpipe.launch.agent` - torch's elastic agent plus the root cause of
+  a failure, a line per restart and each attempt's environment;
+* :mod:`~hetpipe.launch.exit_cause` - how a rank's process ended (signal, OOM killer);
+* :mod:`~hetpipe.launch.job_watch` - every rank stops with the one cause
+  posted in the job's store;
+* :mod:`~hetpipe.launch.rank_env` - this process's rank and restart attempt,
+  from its launcher's environment;
+* :mod:`~hetpipe.launch.nodes` - which node each rank runs on, and the roll call;
+* :mod:`~hetpipe.launch.scheduler_env` - a node's place from plain variables,
+  Slurm or Kubernetes (``python -m hetpipe.launch.scheduler_env``, what
+  scripts/launch_cluster.sh evals);
+* :mod:`~hetpipe.launch.job_secret` - the secret that authenticates the
+  job's connections;
+* :mod:`~hetpipe.launch.restart` - what a restarted job resumes from;
+* :mod:`~hetpipe.launch.preemption` - saving on a scheduler's stop signal;
+* :mod:`~hetpipe.launch.faults` - injected faults, for tests of all of the above.
+
+Nothing is imported here: a CLI imports :mod:`~hetpipe.launch.local` before
+torch (to start the fork server early), and the checkpoint saver imports
+:mod:`~hetpipe.launch.faults` and :mod:`~hetpipe.launch.rank_env` alone.
+"""
