@@ -37,12 +37,11 @@ from hetpipe.comm.channel import Channel, ChannelError
 from hetpipe.comm.direct import DirectChannel
 from hetpipe.comm.gloo import GlooChannel
 from hetpipe.comm.mooncake_mover import rdma_unavailable_reason
-from hetpipe.comm.nics import Nic
+from hetpipe.comm.nics import Nic, network_identity
 from hetpipe.comm.p2p import TorchP2PChannel
 from hetpipe.comm.tcp import TcpChannel
 from hetpipe.comm.threaded import ThreadedChannel
 from hetpipe.errors import ConfigError
-from hetpipe.launch.nodes import network_identity
 
 _FACTS_KEY = "hetpipe/direct_facts/{}"
 
@@ -65,7 +64,7 @@ def check_transport_available(cluster: ClusterConfig) -> str:
 class MoverFacts:
     """What a rank publishes so both ends of a direct boundary choose the same mover."""
 
-    network: str  # nodes.network_identity(): equal exactly when two ranks share a host's network stack
+    network: str  # nics.network_identity(): equal exactly when two ranks share a host's network stack
     runtime: str  # 'cpu', 'cuda' or 'hip': IPC maps memory of one runtime only
     rdma: str | None  # why Mooncake over RDMA cannot run on this rank; None where it can
 

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 import hetpipe
 from hetpipe.cluster import ClusterConfig
 from hetpipe.comm.nics import Nic, list_interfaces, resolve_local_nics, selection_setting
+from hetpipe.comm.nics import network_identity as nics_network_identity
 from hetpipe.data.indexed import data_file_path, index_file_path
 from hetpipe.doctor.config import DoctorConfig
 from hetpipe.errors import ConfigError
@@ -182,13 +183,12 @@ def gpu_rdma_facts(build: str, gpus: list) -> str:
 
 
 def network_identity() -> str:
-    """Equal on two processes exactly when they share one network stack (and so one loopback)."""
+    """:func:`hetpipe.comm.nics.network_identity` (the report's column shows 8 characters), or
+    the fake host's under HETPIPE_DOCTOR_FAKE_HOST."""
     fake = os.environ.get("HETPIPE_DOCTOR_FAKE_HOST")
     if fake:
         return f"fake-{fake}"
-    boot = _read(Path("/proc/sys/kernel/random/boot_id"))
-    netns = os.stat("/proc/self/ns/net").st_ino if os.path.exists("/proc/self/ns/net") else 0
-    return hashlib.sha256(f"{boot}/{netns}".encode()).hexdigest()[:8]
+    return nics_network_identity()[:8]
 
 
 def node_labels(cluster: ClusterConfig, nodes: int) -> dict[int, str]:

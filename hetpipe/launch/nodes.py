@@ -17,18 +17,16 @@ machines do not. The devices are checked against the plan once all arrived.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
 from hetpipe.cluster import ClusterConfig
+from hetpipe.comm.nics import network_identity
 from hetpipe.device_facts import DeviceFacts
 from hetpipe.errors import EXIT_LOST_PEER, HetpipeError
 from hetpipe.launch.scheduler_env import node_layout
@@ -39,16 +37,6 @@ _POLL_S = 0.5
 
 class NodeMissing(HetpipeError):
     """Ranks of the job did not reach the roll call within the deadline."""
-
-
-def network_identity() -> str:
-    """Equal for two processes exactly when they share one network stack (and so one loopback)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        return "unknown"
-    return hashlib.sha256(f"{boot}/{netns}".encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
