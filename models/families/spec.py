@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.families import dense
+import hetpipe.models.families.dense as dense
 
 if TYPE_CHECKING:
     from hetpipe.models.model_config import ModelConfig
