@@ -1,4 +1,4 @@
-"""Communication (installed as ``hetpipe.comm``): vendor detection and the pipeline-boundary channels.
+"""Communication (installed as ``hetpipe.comm``): the pipeline-boundary channels.
 
 Where things live:
 
@@ -14,6 +14,3 @@ Where things live:
   ``rendezvous`` + ``handshake`` + ``sockets`` (authenticated connections),
   ``staging`` (GPU <-> pinned host copies).
 """
-from hetpipe.comm.vendor import accelerator_name, detect_vendor
-
-__all__ = ["accelerator_name", "detect_vendor"]

@@ -31,7 +31,7 @@ class GroupConfig:
     # "CPU" ranks run on the CPU, anything else on the rank's local GPU;
     # auto is the GPU when one is visible, else the CPU, and its catalog key
     # comes from the device itself (name, architecture and memory,
-    # hetpipe/device_facts.py). A declared type is checked against every
+    # hetpipe/devices/facts.py). A declared type is checked against every
     # rank's real device at start-up (see ClusterConfig.allow_device_mismatch).
     device_type: str = "auto"
     nodes: int = 1
@@ -122,7 +122,7 @@ class ClusterConfig:
     # for hardware you do not have, on purpose, with a warning. Off, the job
     # stops with one line naming both, exit 2: a plan=auto run declared H200 on
     # two H100s planned 126.9 GiB per device and died of OOM at step 2. A GPU
-    # type on a CPU is refused either way (it cannot run). hetpipe/device_facts.py.
+    # type on a CPU is refused either way (it cannot run). hetpipe/devices/facts.py.
     allow_device_mismatch: bool = False
     groups: List[GroupConfig] = field(default_factory=lambda: [GroupConfig()])
     transport: TransportConfig = field(default_factory=TransportConfig)

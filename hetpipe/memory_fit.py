@@ -119,7 +119,7 @@ def local_capacity(cfg: Any, rank: int) -> Optional[Capacity]:
 
 
 def rank_capacity(cfg: Any, group: Any, device: torch.device) -> Optional[Capacity]:
-    """This rank's device. (Later from the roll call's detected device, hetpipe/device_facts.py.)"""
+    """This rank's device. (Later from the roll call's detected device, hetpipe/devices/facts.py.)"""
     if device.type == "cpu":
         return declared_capacity(cfg, group)
     total = torch.cuda.mem_get_info(device)[1]

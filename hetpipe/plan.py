@@ -27,10 +27,10 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.device_facts import local_device_type
+from hetpipe.devices.facts import local_device_type
 from hetpipe.errors import ConfigError, run_cli, run_hydra_cli
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner.catalog import catalog_with
+from hetpipe.devices.catalog import catalog_with
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import measure_units, save_entry
 from hetpipe.partitioner import schedule_model
@@ -124,7 +124,7 @@ def run_profile(cfg: PlanConfig) -> None:
                                 cfg.train.precision, repeats=p.repeats, warmup=p.warmup, seed=cfg.train.seed,
                                 warmup_s=p.warmup_s,
                                 fuse_elementwise=cfg.train.fuse_elementwise)
-    # Filed under the key every rank's roll call and plan=auto detect (hetpipe/device_facts.py).
+    # Filed under the key every rank's roll call and plan=auto detect (hetpipe/devices/facts.py).
     device_type = p.device_type or local_device_type(catalog_with(dict(cfg.planner.catalog or {})))[0]
     if not device_type:
         raise ConfigError(f"this machine's {name!r} is not in the device catalog: name it with "

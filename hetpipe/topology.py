@@ -11,7 +11,7 @@ configured cross-vendor channel.
 Before any group exists, each rank resolves its node's NICs from
 ``cluster.transport`` (:mod:`hetpipe.comm.nics`), answers the roll call
 (:mod:`hetpipe.launch.nodes`) with them and its device, checks every rank's device
-against the plan (:mod:`hetpipe.device_facts`) and arms the job's watch
+against the plan (:mod:`hetpipe.devices.facts`) and arms the job's watch
 (:mod:`hetpipe.launch.job_watch`);
 on a multi-node job gloo and NCCL are pointed at the same NICs, so the world
 group never falls back to the address the host name resolves to (often
@@ -33,13 +33,13 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.factory import build_rank_channels
 from hetpipe.comm.nics import Nic, check_dialable, resolve_local_nics, selection_setting, socket_ifname
 from hetpipe.comm.stage_link import StageLink
-from hetpipe.comm.vendor import detect_vendor
-from hetpipe.device_facts import DeviceFacts, check_devices, device_facts, devices_lines
+from hetpipe.devices.vendor import detect_vendor
+from hetpipe.devices.facts import DeviceFacts, check_devices, device_facts, devices_lines
 from hetpipe.errors import ConfigError
 from hetpipe.launch.job_secret import require_job_secret
 from hetpipe.launch.job_watch import JobWatch, namespace
 from hetpipe.launch.nodes import NodeMap, roll_call
-from hetpipe.partitioner.catalog import DeviceSpec
+from hetpipe.devices.catalog import DeviceSpec
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.torch_compat import set_gemm_sm_carveout
 

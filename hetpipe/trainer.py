@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from hetpipe.checkpoint import CheckpointSaver, restore, should_save
 from hetpipe.comm.factory import check_transport_available
-from hetpipe.comm.vendor import accelerator_name, detect_vendor
+from hetpipe.devices.vendor import accelerator_name, detect_vendor
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.engine import PipelineEngine
@@ -47,12 +47,12 @@ from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_atten
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import allow_retained_graphs
-from hetpipe.parallel.tp_slices import shard_fn
+from hetpipe.checkpoint.tp_slices import shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.parallel.zero1 import DistributedOptimizer
-from hetpipe.device_facts import check_local_devices
-from hetpipe.partitioner.catalog import catalog_with, detect_device_type, device_spec
+from hetpipe.devices.facts import check_local_devices
+from hetpipe.devices.catalog import catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision

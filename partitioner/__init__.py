@@ -15,7 +15,7 @@ hetpipe.partitioner.cost as cost``), never through this package: it imports
 the solver and the report, which import them, so a sibling reached through it
 would be an import loop.
 """
-from hetpipe.partitioner.catalog import CATALOG, DeviceSpec, catalog_with, detect_device_type, device_spec
+from hetpipe.devices.catalog import CATALOG, DeviceSpec, catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.report import Solution

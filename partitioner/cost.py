@@ -37,7 +37,7 @@ import numpy as np
 from hetpipe.models.families import spec_of
 from hetpipe.models.layers import fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.partitioner.catalog import DeviceSpec
+from hetpipe.devices.catalog import DeviceSpec
 from hetpipe.models.precision import resolve_precision
 
 GIB = float(1 << 30)

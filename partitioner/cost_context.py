@@ -33,7 +33,8 @@ from hetpipe.models.recompute import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
-from hetpipe.partitioner.catalog import DeviceSpec, catalog_with, device_spec
+from hetpipe.devices.catalog import DeviceSpec, catalog_with, device_spec
+from hetpipe.devices.facts import local_device_type
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import find_entry, planner_profiles, profile_shape
@@ -367,10 +368,7 @@ def _range_max(x: np.ndarray) -> np.ndarray:
 
 def _device_type(group: GroupConfig, catalog: dict[str, DeviceSpec]) -> str:
     """The catalog key of a group's devices; ``auto`` is this machine's device, detected
-    as every rank detects its own at the roll call (hetpipe/device_facts.py)."""
-    # Not at the top: hetpipe.device_facts imports the catalog, and so this package.
-    from hetpipe.device_facts import local_device_type
-
+    as every rank detects its own at the roll call (hetpipe/devices/facts.py)."""
     if group.device_type != "auto":
         return device_spec(group.device_type, catalog).name
     found, name = local_device_type(catalog)

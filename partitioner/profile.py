@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from hetpipe.comm.vendor import accelerator_name
+from hetpipe.devices.vendor import accelerator_name
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models.families import spec_of

@@ -25,7 +25,7 @@ from multiproc import collect
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, CheckpointSaver, load_checkpoint
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.parallelize import parallelize_tensor
-from hetpipe.parallel.tp_slices import full_tensor, gather_full_state_dict, shard_fn
+from hetpipe.checkpoint.tp_slices import full_tensor, gather_full_state_dict, shard_fn
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.trainer import build_optimizer

@@ -1,5 +1,5 @@
 """The real device, always: every rank's device in the roll call, and the start-up check that
-the plan was made for it (hetpipe/device_facts.py)."""
+the plan was made for it (hetpipe/devices/facts.py)."""
 import threading
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO, run_cli
 from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe.device_facts import (DeviceFacts, check_devices, check_local_devices, device_facts, devices_lines,
+from hetpipe.devices.facts import (DeviceFacts, check_devices, check_local_devices, device_facts, devices_lines,
                                   host_memory_gib)
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset

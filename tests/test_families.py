@@ -13,7 +13,7 @@ from hetpipe.models.families import FAMILIES, family_for_hf_model_type, family_s
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import DecoderLayer, fuse_elementwise, model_rope_frequencies, rope_cos_sin
 from hetpipe.models.split_backward import backward_input
-from hetpipe.partitioner.catalog import CATALOG
+from hetpipe.devices.catalog import CATALOG
 from hetpipe.partitioner.cost import (NetworkConfig, Precision, StageShape, layer_activation_bytes, unit_costs,
                                       weight_pass_bytes)
 from hetpipe.partitioner.profile import profile_shape

@@ -15,7 +15,7 @@ from hetpipe.models.model_config import model_preset
 from hetpipe.pretrain_config import TrainConfig
 from hetpipe.models.layers import (Attention, DecoderLayer, RMSNorm, SwiGLU, fuse_elementwise, fuses_elementwise,
                                    sdpa_preference, set_attention_backend)
-from hetpipe.partitioner.catalog import CATALOG
+from hetpipe.devices.catalog import CATALOG
 from hetpipe.partitioner.cost import Precision, layer_activation_bytes
 from hetpipe.partitioner.profile import measure_units
 

@@ -20,7 +20,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.layers import fuse_elementwise
 from hetpipe.models.parallelize import gate_up_rule, parallelize_tensor, qkv_rule
-from hetpipe.parallel.tp_slices import full_tensor, gather_full_state_dict, shard_full_state_dict, shard_tensor
+from hetpipe.checkpoint.tp_slices import full_tensor, gather_full_state_dict, shard_full_state_dict, shard_tensor
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads, tp_param_spec, tp_sq_norm_share
 
 CTX = multiprocessing.get_context("spawn")

@@ -4,7 +4,7 @@ import pytest
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.models.flops import megatron_model_flops
-from hetpipe.partitioner.catalog import CATALOG, catalog_with, detect_device_type, device_spec
+from hetpipe.devices.catalog import CATALOG, catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.cost import (GIB, NetworkConfig, Precision, StageShape, allreduce_s, forward_flops,
                                       message_s, static_bytes_per_param, unit_costs, unit_params)
 

@@ -9,7 +9,7 @@ from hetpipe.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner import solver
-from hetpipe.partitioner.catalog import catalog_with, device_spec
+from hetpipe.devices.catalog import catalog_with, device_spec
 from hetpipe.partitioner.cost import GIB, NetworkConfig, Precision, StageShape, unit_costs
 from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.plan_data import Plan

@@ -122,7 +122,7 @@ def load_checkpoint(path: str | Path, chunks: Sequence[CausalLM], optimizer: Opt
     """Load weights (and optimizer, sampler and RNG state when given) into this rank's chunks.
 
     ``path`` is a checkpoint directory or a save directory (its latest one).
-    ``shard`` is this rank's tensor-parallel cut (:func:`hetpipe.parallel.tp_slices.shard_fn`):
+    ``shard`` is this rank's tensor-parallel cut (:func:`hetpipe.checkpoint.tp_slices.shard_fn`):
     with a ``region(name)`` it reads just that slice, otherwise it cuts whole tensors.
     An optimizer with its own sharded state (ZeRO-1) reads only the ranges it owns.
     """

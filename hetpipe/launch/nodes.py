@@ -8,7 +8,7 @@ config; its addresses are what it says at the roll call.
 
 The roll call is the first thing every rank does with the job's store, before
 the gloo world group: each rank publishes its NIC addresses, which network
-stack it runs in and the device it really runs on (:mod:`hetpipe.device_facts`),
+stack it runs in and the device it really runs on (:mod:`hetpipe.devices.facts`),
 then waits for all the others within the transport deadline. A rank that
 never arrives is named by its node then; gloo's own rendezvous would wait 30
 minutes and name a store key. The network stacks also tell whether the job
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.comm.nics import network_identity
-from hetpipe.device_facts import DeviceFacts
+from hetpipe.devices.facts import DeviceFacts
 from hetpipe.errors import EXIT_LOST_PEER, HetpipeError
 from hetpipe.launch.scheduler_env import node_layout
 

@@ -13,8 +13,6 @@ model's plan (:mod:`hetpipe.models.parallelize`), as torchtitan keeps a
 * :mod:`~hetpipe.parallel.grad_reducer` - bucketed DP gradient averaging that
   overlaps backward;
 * :mod:`~hetpipe.parallel.zero1` - AdamW with its state sharded over DP (ZeRO-1);
-* :mod:`~hetpipe.parallel.tp_slices` - a TP rank's slice of a whole tensor
-  and back, and which slice each rank holds (what its checkpoint shards are);
 * :mod:`~hetpipe.parallel.group_facts` - group facts and torch-version
   shims both TP and DP use.
 """

@@ -20,7 +20,7 @@ The vocab-parallel cross-entropy is here too: it is the same kind of thing, a
 loss whose forward and backward are a few all-reduces over [tokens] vectors.
 
 Nothing here knows the model's layout: :mod:`hetpipe.models.tp_modules`
-places these functions, and :mod:`hetpipe.parallel.tp_slices` gathers
+places these functions, and :mod:`hetpipe.checkpoint.tp_slices` gathers
 shards with :func:`all_gather`. They run on gloo (CPU tests) and NCCL/RCCL
 alike.
 """

@@ -8,7 +8,7 @@ linears built from it) or declared whole on every rank
 whole tensor reads that mark, never the parameter's name:
 
 * the global gradient norm counts every element once (:func:`tp_sq_norm_share`);
-* checkpoints gather and cut whole tensors (:mod:`hetpipe.parallel.tp_slices`);
+* checkpoints gather and cut whole tensors (:mod:`hetpipe.checkpoint.tp_slices`);
 * after backward, :func:`finalize_tensor_parallel_grads` completes two kinds of
   partial gradient: replicated weights that saw only this rank's part of
   the work (the norms under sequence parallelism, which see this rank's

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.partitioner.catalog import CATALOG, DEVICE_VENDORS, catalog_with, detect_device_type, device_spec
+from hetpipe.devices.catalog import CATALOG, DEVICE_VENDORS, catalog_with, detect_device_type, device_spec
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "partitioner.md"
 

@@ -24,7 +24,8 @@ import torch
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
-from hetpipe.partitioner.catalog import DeviceSpec, detect_device_type
+from hetpipe.devices.catalog import DeviceSpec, detect_device_type
+from hetpipe.devices.vendor import detect_vendor
 
 if TYPE_CHECKING:
     from hetpipe.partitioner.plan_data import Plan
@@ -81,7 +82,7 @@ def _gpu_facts(index: int, catalog: Optional[Mapping[str, DeviceSpec]], free: bo
     total = props.total_memory / GIB
     name, arch = torch.cuda.get_device_name(index), gpu_arch(index)
     kind = detect_device_type(name, catalog, arch=arch, memory_gib=total, compute_units=props.multi_processor_count)
-    vendor = "amd" if torch.version.hip else "nvidia"
+    vendor = detect_vendor()
     return DeviceFacts(name, vendor, runtime_build(), torch.__version__, arch, total, free_gib, kind)
 
 
