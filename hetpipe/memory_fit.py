@@ -40,7 +40,7 @@ import torch
 from hetpipe.errors import EXIT_OUT_OF_MEMORY, ConfigError, OutOfDeviceMemory
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.plan_memory import planned_capacity_gib, predicted_memory_gib
-from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES
+from hetpipe.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES
 
 GIB = 2**30
 NOTE_KEY = "predicted_memory_gib"

@@ -4,7 +4,7 @@ class :class:`Plan` (``python -m hetpipe.plan``, hetpipe/plan.py, is the command
 A plan is data (YAML-serialisable): the partitioner writes one, and
 ``pretrain`` reads one or builds it from explicit overrides such as
 ``partition.layers=[15,17]``. Stages are *virtual* stages in pipeline order;
-with several chunks per rank (``num_chunks`` > 1) :mod:`hetpipe.placement`
+with several chunks per rank (``num_chunks`` > 1) :mod:`hetpipe.pipeline.placement`
 says which rank holds which: r, r + P, r + 2P, ... interleaved, or r and
 2P - 1 - r in zb_v's V. The embedding always sits on the first virtual stage
 and the output head on the last, so a stage's unit range is its layers plus
@@ -20,8 +20,8 @@ import yaml
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.placement import Placement, check_chunks
-from hetpipe.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from hetpipe.pipeline.placement import Placement, check_chunks
+from hetpipe.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 
 @dataclass

@@ -25,7 +25,7 @@ import hetpipe.partitioner.v_split as v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.split import Split
-from hetpipe.placement import Placement
+from hetpipe.pipeline.placement import Placement
 
 
 @dataclass

@@ -19,7 +19,7 @@ from hetpipe.models.parallelize import check_tensor_parallel
 from hetpipe.partitioner.inputs import PartitionRequest, PlanRequest, TrainShape
 from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split
 from hetpipe.partitioner.solver import plan_for
-from hetpipe.placement import Placement
+from hetpipe.pipeline.placement import Placement
 
 
 def group_tp_degrees(partition: PartitionRequest, cluster: ClusterConfig) -> list[int]:

@@ -35,7 +35,7 @@ more), which is all this module says:
   stage, so it only wins where nothing else is allowed. Its time is taken as
   1F1B's (for unequal stages GPipe's is a little longer: a lower estimate).
 
-* **zb_v** (two chunks per rank in a V, :mod:`hetpipe.schedule_zbv`): rank
+* **zb_v** (two chunks per rank in a V, :mod:`hetpipe.pipeline.schedule_zbv`): rank
   r holds virtual stages r and 2P - 1 - r, two unit ranges, which the formula
   above does not price: a V waits on each chunk in turn, not on a rank's
   total, so :mod:`hetpipe.partitioner.v_split` runs the zb_v order itself
@@ -63,12 +63,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from hetpipe.actions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
+from hetpipe.pipeline.actions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.placement import V_SHAPED_SCHEDULES, Placement
-from hetpipe.schedule_zbv import v_orders
-from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES, compute_orders, output_stage
+from hetpipe.pipeline.placement import V_SHAPED_SCHEDULES, Placement
+from hetpipe.pipeline.schedule_zbv import v_orders
+from hetpipe.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, compute_orders, output_stage
 
 # In the order the planner reports them and breaks ties by (least memory first).
 PLANNED_SCHEDULES = ("1f1b", "zb_h1", "zb_v", "gpipe")
@@ -135,9 +135,9 @@ def v_chunk_counts(num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, .
 @lru_cache(maxsize=128)
 def memory_rows(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, ...]:
     """Per rank, what it holds at the moments its memory can peak, walking the
-    engine's own action list (:func:`hetpipe.schedules.build_schedule`'s
+    engine's own action list (:func:`hetpipe.pipeline.schedules.build_schedule`'s
     computations, each send right after the one that produced it) as
-    :meth:`hetpipe.engine.PipelineEngine.run_step` runs it.
+    :meth:`hetpipe.pipeline.engine.PipelineEngine.run_step` runs it.
 
     Each row, one per computation, counts for each of the rank's C chunks
     (1, or 2 under zb_v) the microbatches whose activations are alive, those

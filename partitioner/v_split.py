@@ -1,7 +1,7 @@
 """ZB-V's split: two unit ranges per rank, priced by running the schedule.
 
 Under ``zb_v`` rank r holds virtual stages r and 2P - 1 - r
-(:mod:`hetpipe.placement`): with virtual-stage boundaries
+(:mod:`hetpipe.pipeline.placement`): with virtual-stage boundaries
 ``c_0 = 0 < c_1 < ... < c_2P = U`` its units are [c_r, c_r+1) and
 [c_2P-1-r, c_2P-r). The contiguous schedules' step formula
 (:mod:`hetpipe.partitioner.split`) does not carry over to such splits. On 4
@@ -45,7 +45,7 @@ from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan_data import even_split, unit_bounds
 from hetpipe.partitioner.split import INF, Split, minimax
 from hetpipe.partitioner.v_timing import makespan
-from hetpipe.placement import Placement
+from hetpipe.pipeline.placement import Placement
 
 # Boundary moves a climb may make (each a simulation); far more than it needs
 # for the 32-layer models on 2-8 ranks, where it settles within a few dozen.

@@ -2,7 +2,7 @@
 
 The planner prices a V split by the makespan of the zb_v order run with each
 (rank, chunk)'s F, B and W times and each boundary message's time
-(:mod:`hetpipe.partitioner.v_split`). :func:`hetpipe.schedule_check.simulate`
+(:mod:`hetpipe.partitioner.v_split`). :func:`hetpipe.pipeline.schedule_check.simulate`
 computes that makespan, but it also checks every pipeline rule on every
 action: 0.95 ms per run at 4 ranks x 16 microbatches and 3.75 ms at 8 x 32
 on this project's 2-core machine, against 0.025 and 0.100 ms here, for a
@@ -21,9 +21,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from hetpipe.actions import BWD_INPUT, BWD_WEIGHT, FWD
-from hetpipe.placement import Placement
-from hetpipe.schedule_zbv import v_orders
+from hetpipe.pipeline.actions import BWD_INPUT, BWD_WEIGHT, FWD
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.schedule_zbv import v_orders
 
 KINDS = (FWD, BWD_INPUT, BWD_WEIGHT)
 

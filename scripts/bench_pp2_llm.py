@@ -75,7 +75,7 @@ from hetpipe.partitioner.resolve import build_plan
 from hetpipe.partitioner.schedule_model import PLANNED_SCHEDULES
 from hetpipe.partitioner.solver import plan_for, solve
 from hetpipe.pretrain_config import PretrainConfig, register_configs, resolve
-from hetpipe.schedules import SCHEDULES
+from hetpipe.pipeline.schedules import SCHEDULES
 
 # The peer's options sit beside this script (sys.path[0] when run as a script).
 from peer_options import SCHEDULES as PEER_SCHEDULES  # noqa: E402

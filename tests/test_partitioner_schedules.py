@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe.engine import PipelineEngine
+from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.plan import format_solution
 from hetpipe.models import build_model, model_preset
@@ -23,9 +23,9 @@ from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.solver import solve
 from hetpipe.partitioner.split import step_time_s
 from hetpipe.pretrain_config import TrainConfig
-from hetpipe.placement import Placement
-from hetpipe.schedule_check import simulate
-from hetpipe.schedules import build_schedule
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.schedule_check import simulate
+from hetpipe.pipeline.schedules import build_schedule
 
 
 @pytest.mark.parametrize("P", range(1, 7))

@@ -1,6 +1,6 @@
 """The schedule checker: runs every rank's action list together and proves it.
 
-:mod:`hetpipe.schedules` generates the per-rank action lists; this module
+:mod:`hetpipe.pipeline.schedules` generates the per-rank action lists; this module
 executes all of them at once under the transport's rules (asynchronous sends,
 blocking receives, FIFO matching per ordered pair of ranks, as NCCL
 point-to-point) and refuses a deadlock, a mismatched message, a backward
@@ -17,7 +17,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hetpipe.actions import (
+from hetpipe.pipeline.actions import (
     ACTION_KINDS,
     BWD,
     BWD_INPUT,
@@ -29,8 +29,8 @@ from hetpipe.actions import (
     SEND_FWD,
     Action,
 )
-from hetpipe.placement import Placement
-from hetpipe.schedules import input_stage, output_stage
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.schedules import input_stage, output_stage
 
 # Relative cost of each computation in SimulationResult.makespan: the paper's
 # T_F = T_B = T_W, so a whole backward is two units.

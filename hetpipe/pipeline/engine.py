@@ -21,7 +21,7 @@ import torch
 from hetpipe.models import CausalLM
 from hetpipe.models.split_backward import WeightBackward, backward_input, capture_output
 from hetpipe.models.precision import Bf16Weights, compute_context
-from hetpipe.actions import BWD_INPUT, BWD_WEIGHT, Action
+from hetpipe.pipeline.actions import BWD_INPUT, BWD_WEIGHT, Action
 
 if TYPE_CHECKING:
     from hetpipe.comm.channel import Handle
@@ -39,7 +39,7 @@ class PipelineEngine:
         self.rank = rank
         self.pipeline_size = pipeline_size
         # Consecutive virtual stages on this rank (the turn of a V placement,
-        # hetpipe.placement; several chunks on one rank) hand their tensors
+        # hetpipe.pipeline.placement; several chunks on one rank) hand their tensors
         # over in-process, with no message. Every stage holds units, so two
         # chunks are consecutive exactly when their unit ranges meet: the
         # chunks say it, whatever placement built them.
@@ -211,7 +211,7 @@ class PipelineEngine:
 
     def run_forward(self, actions: Sequence[Action],
                     microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[list[torch.Tensor]]:
-        """Run a forward-only action list (:func:`hetpipe.schedules.forward_only`)
+        """Run a forward-only action list (:func:`hetpipe.pipeline.schedules.forward_only`)
         without autograd: no graph is built, and a boundary activation is
         dropped once its send is posted (the send handle keeps it until the
         transfer is done). Receives are posted ahead as in :meth:`run_step`.

@@ -5,13 +5,13 @@ live: a deadlock, a receive matched to the wrong message, gradients summed in
 a different order than a single-process run. All of these can be found
 without a GPU or a process, so schedules are pure functions returning one
 list of :class:`Action` per pipeline rank, the engine executes its rank's list
-verbatim, and :func:`hetpipe.schedule_check.simulate` runs all lists together
+verbatim, and :func:`hetpipe.pipeline.schedule_check.simulate` runs all lists together
 under the transport's rules (asynchronous sends, blocking receives, FIFO
 matching per ordered pair of ranks, as NCCL point-to-point) to prove a
 schedule correct. This module only generates; the checker is a module of its
 own so that the engine, which imports the action types, carries no simulator.
 
-Which virtual stage a (rank, chunk) holds is :mod:`hetpipe.placement`'s
+Which virtual stage a (rank, chunk) holds is :mod:`hetpipe.pipeline.placement`'s
 answer: Megatron's interleaving (chunk ``c`` on rank ``r`` is stage
 ``c * P + r``) for all but ``zb_v``, whose two chunks form a V (stages ``r``
 and ``2P - 1 - r``). Stage 0 reads the inputs and the last stage computes
@@ -26,7 +26,7 @@ why.
 """
 from __future__ import annotations
 
-from hetpipe.actions import (
+from hetpipe.pipeline.actions import (
     BWD,
     BWD_INPUT,
     BWD_WEIGHT,
@@ -39,8 +39,8 @@ from hetpipe.actions import (
     Compute,
 )
 from hetpipe.errors import ConfigError
-from hetpipe.placement import Placement, check_chunks
-from hetpipe.schedule_zbv import v_orders
+from hetpipe.pipeline.placement import Placement, check_chunks
+from hetpipe.pipeline.schedule_zbv import v_orders
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
 # Schedules whose backward is split into B and W (models/split_backward.py).
@@ -166,7 +166,7 @@ def _zero_bubble_h1_orders(num_stages: int, num_microbatches: int) -> list[list[
 def zb_v(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """ZB-V: two chunks per rank in a V, backwards split into B and W, for
     any number of microbatches; the order and its bubble and memory are in
-    :mod:`hetpipe.schedule_zbv`."""
+    :mod:`hetpipe.pipeline.schedule_zbv`."""
     _check_sizes(num_stages, num_microbatches, 1)
     return _with_communication(v_orders(num_stages, num_microbatches), Placement("zb_v", num_stages, 2))
 
@@ -287,7 +287,7 @@ def _with_communication(orders: list[list[Compute]], placement: Placement) -> li
     pair's next receive (:func:`_in_send_order`). That never waits longer
     than the next receive would have, so it adds no deadlock, and it keeps
     every existing schedule's lists as they were.
-    :func:`hetpipe.schedule_check.simulate` checks all of it.
+    :func:`hetpipe.pipeline.schedule_check.simulate` checks all of it.
     """
     actions = []
     for rank, order in enumerate(orders):
