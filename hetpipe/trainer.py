@@ -57,7 +57,8 @@ from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
 from hetpipe.profiling import profile_step
-from hetpipe.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule
+from hetpipe.pipeline.registry import schedule_spec
+from hetpipe.pipeline.schedules import build_schedule
 from hetpipe.topology import Topology, check_group_vendor
 
 
@@ -162,7 +163,7 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
     Chunk c holds the units of the virtual stage the plan's placement gives it."""
     ranges = plan.unit_ranges()
     chunks = []
-    if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if schedule_spec(plan.schedule).split_backward:
         allow_retained_graphs()
     for c in range(plan.num_chunks):
         v = plan.placement.stage(topo.pp_rank, c)

@@ -30,6 +30,7 @@ from hetpipe.pipeline.actions import (
     Action,
 )
 from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.registry import INTERLEAVED_1F1B
 from hetpipe.pipeline.schedules import input_stage, output_stage
 
 # Relative cost of each computation in SimulationResult.makespan: the paper's
@@ -102,7 +103,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
     if num_ranks == 0:
         raise ScheduleError("a schedule needs at least one rank")
     if placement is None:
-        placement = Placement("interleaved_1f1b", num_ranks, num_chunks)
+        placement = Placement(INTERLEAVED_1F1B.name, num_ranks, num_chunks)
     if (placement.num_ranks, placement.num_chunks) != (num_ranks, num_chunks):
         raise ScheduleError(f"{num_ranks} ranks x {num_chunks} chunk(s) simulated under a placement of "
                             f"{placement.num_ranks} x {placement.num_chunks}")

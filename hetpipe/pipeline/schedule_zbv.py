@@ -67,3 +67,15 @@ def v_orders(num_ranks: int, num_microbatches: int) -> list[list[Compute]]:
         run(*[W1] * (slots - done[W1]), *[W0] * (slots - done[W0]))
         orders.append([unit for unit in order if unit[1] < M])
     return orders
+
+
+def zb_v_orders(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[list[Compute]]:
+    """:func:`v_orders` as the registry calls an order (``num_chunks``: the V's two, checked there)."""
+    return v_orders(num_ranks, num_microbatches)
+
+
+def zb_v_forwards(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[list[Compute]]:
+    """Validation's forwards in a V: ZB-V's own forwards, in its order, so a
+    rank only ever waits for an earlier stage and keeps nothing it has sent
+    on (rank P-1 holds its chunk-0 output until its chunk-1 forward, the next)."""
+    return [[unit for unit in order if unit[0] == FWD] for order in v_orders(num_ranks, num_microbatches)]
