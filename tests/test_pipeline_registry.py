@@ -2,7 +2,8 @@
 
 Each entry builds lists the simulator proves under its own placement, its
 facts agree with what its lists do, the planner lists exactly the entries it
-can price, and the pipeline package stays a ground floor: it imports nothing of the partitioner, the
+can price, the engine has a handler for every action, and the pipeline
+package stays a ground floor: it imports nothing of the partitioner, the
 launcher, the doctor, checkpoints or the trainer, and no other module of
 hetpipe or the partitioner spells a schedule's name in code.
 """
@@ -15,7 +16,8 @@ import pytest
 
 from hetpipe.errors import ConfigError
 from hetpipe.partitioner import schedule_model
-from hetpipe.pipeline.actions import BWD, BWD_INPUT, BWD_WEIGHT
+from hetpipe.pipeline.actions import ACTION_KINDS, BWD, BWD_INPUT, BWD_WEIGHT
+from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.pipeline.placement import Placement
 from hetpipe.pipeline.registry import CONTIGUOUS, SCHEDULES, V_SPLIT, planned, schedule_spec, several_chunks
 from hetpipe.pipeline.schedule_check import simulate
@@ -57,6 +59,10 @@ def test_the_planner_lists_exactly_the_entries_it_prices():
         assert (pricing.in_flight is not None) == (pricing.split == CONTIGUOUS)
         assert pricing.split == CONTIGUOUS or spec.chunks == 2 == pricing.boundary_messages
     assert [s.name for s in SCHEDULES.values() if s.pricing is None] == ["interleaved_1f1b"]
+
+
+def test_the_engine_has_a_handler_for_every_action():
+    assert set(PipelineEngine._HANDLERS) == set(ACTION_KINDS)
 
 
 def _imports(path: Path) -> set[str]:
