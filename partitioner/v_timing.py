@@ -64,7 +64,8 @@ def program(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[tuple
     return tuple(out)
 
 
-def makespan(schedule: str, num_microbatches: int, times: Sequence[Sequence[Sequence[float]]], links: Sequence[float]) -> float:
+def makespan(schedule: str, num_microbatches: int, times: Sequence[Sequence[Sequence[float]]],
+             links: Sequence[float]) -> float:
     """When the last rank finishes ``schedule``'s order: ``times[kind][rank][chunk]`` (kinds as
     KINDS), ``links[l]`` one message's time between ranks l and l + 1."""
     P = len(times[0])

@@ -26,11 +26,6 @@ def virtual_stage(schedule: str, rank: int, chunk: int, num_ranks: int) -> int:
     return schedule_spec(schedule).layout.stage(rank, chunk, num_ranks)
 
 
-def check_chunks(schedule: str, num_chunks: int) -> None:
-    """Refuse a chunk count ``schedule``'s placement has no room for."""
-    schedule_spec(schedule).check_placement(num_chunks)
-
-
 @dataclass(frozen=True)
 class Placement:
     """:func:`virtual_stage` for one pipeline shape, both ways, with the rank pairs it implies."""
