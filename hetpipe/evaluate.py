@@ -1,7 +1,7 @@
 """Validation: the loss on held-out data, forward only, through the training pipeline.
 
 Every ``train.eval_interval`` optimizer steps, and after the last one, every
-rank runs the forward-only schedule (:func:`hetpipe.schedules.forward_only`)
+rank runs the forward-only schedule (:func:`hetpipe.pipeline.schedules.forward_only`)
 over ``train.eval_iters`` global batches of the validation data: no autograd
 graph, no backward, no optimizer. The batches are the same at every
 validation (the reader restarts from the first), so successive values differ
@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from hetpipe.data import MicrobatchLoader
-from hetpipe.engine import PipelineEngine
+from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.models.precision import Bf16Weights
 from hetpipe.pretrain_config import PretrainConfig
-from hetpipe.schedules import Action, forward_only
+from hetpipe.pipeline.schedules import Action, forward_only
 from hetpipe.topology import Topology
 
 

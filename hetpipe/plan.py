@@ -36,6 +36,7 @@ from hetpipe.partitioner.profile import measure_units, save_entry
 from hetpipe.partitioner import schedule_model
 from hetpipe.partitioner.report import Solution
 from hetpipe.partitioner.solver import solve
+from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
 from hetpipe.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
 
 MODES = ("plan", "profile")
@@ -84,9 +85,10 @@ class PlanConfig:
         if self.mode == "plan" and (self.train.recompute is not None or self.train.recompute_num_layers is not None):
             raise ConfigError("the planner chooses each stage's recomputation; constrain it with planner.recompute "
                               "(auto, none, selective or full), not train.recompute")
-        if self.mode == "plan" and (self.partition.schedule != "1f1b" or self.partition.num_chunks != 1):
+        if self.mode == "plan" and (self.partition.schedule != DEFAULT_SCHEDULE or self.partition.num_chunks != 1):
+            *first, last = schedule_model.PLANNED_SCHEDULES
             raise ConfigError(f"the planner chooses the schedule (without interleaving): set planner.schedule "
-                              f"(auto, 1f1b, zb_h1, zb_v or gpipe), not "
+                              f"(auto, {', '.join(first)} or {last}), not "
                               f"partition.schedule={self.partition.schedule} "
                               f"or partition.num_chunks={self.partition.num_chunks}")
 

@@ -22,6 +22,7 @@ from hetpipe.models.layers import sdpa_preference
 from hetpipe.models.recompute import check_recompute
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.models.precision import PRECISIONS
+from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
 
 
 @dataclass
@@ -244,11 +245,11 @@ class PartitionConfig:
     layers: Optional[List[int]] = None
     # gpipe | 1f1b | interleaved_1f1b | zb_h1 (zero bubble: backward split
     # into input and weight gradients, weights deferred into the bubbles;
-    # 1F1B's peak memory, a third of its bubble; see hetpipe.schedules) |
+    # 1F1B's peak memory, a third of its bubble; see hetpipe.pipeline.schedules) |
     # zb_v (zero bubble with two chunks per rank in a V, num_chunks=2: rank 0
     # holds the first and the last stage; 1F1B's peak memory on every rank,
-    # a sixth of its bubble; see hetpipe.schedule_zbv)
-    schedule: str = "1f1b"
+    # a sixth of its bubble; see hetpipe.pipeline.schedule_zbv)
+    schedule: str = DEFAULT_SCHEDULE
     # Model chunks per rank (virtual stages) for interleaved_1f1b; 2 for zb_v.
     num_chunks: int = 1
     # Tensor-parallel degree of every vendor group, or one per group in the

@@ -163,7 +163,7 @@ class Topology:
     @property
     def neighbours(self) -> list[int]:
         """Pipeline stages this rank exchanges activations with: the ranks of the
-        virtual stages next to its own (hetpipe.placement; wrapping when interleaved)."""
+        virtual stages next to its own (hetpipe.pipeline.placement; wrapping when interleaved)."""
         return self.plan.placement.neighbours(self.pp_rank)
 
     def _stage_pairs(self) -> list[tuple[int, int]]:

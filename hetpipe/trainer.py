@@ -29,7 +29,7 @@ from hetpipe.comm.factory import check_transport_available
 from hetpipe.devices.vendor import accelerator_name, detect_vendor
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
-from hetpipe.engine import PipelineEngine
+from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.evaluate import build_validator, validation_loader
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
 from hetpipe.launch import faults
@@ -57,7 +57,8 @@ from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
 from hetpipe.profiling import profile_step
-from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule
+from hetpipe.pipeline.registry import schedule_spec
+from hetpipe.pipeline.schedules import build_schedule
 from hetpipe.topology import Topology, check_group_vendor
 
 
@@ -162,7 +163,7 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
     Chunk c holds the units of the virtual stage the plan's placement gives it."""
     ranges = plan.unit_ranges()
     chunks = []
-    if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if schedule_spec(plan.schedule).split_backward:
         allow_retained_graphs()
     for c in range(plan.num_chunks):
         v = plan.placement.stage(topo.pp_rank, c)

@@ -39,6 +39,7 @@ from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import find_entry, planner_profiles, profile_shape
 from hetpipe.partitioner.split import INF
+from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,7 @@ class CostContext:
                                   min(self.groups[first].ranks_per_node, cand.tp[first] * cand.dp), 1)
 
     # -- one candidate -------------------------------------------------------------------
-    def problem(self, cand: Candidate, schedule: str = "1f1b") -> SplitProblem:
+    def problem(self, cand: Candidate, schedule: str = DEFAULT_SCHEDULE) -> SplitProblem:
         """A candidate's contiguous split problem under ``schedule`` (see
         :class:`SplitProblem`; zb_v's V: :mod:`hetpipe.partitioner.v_split`)."""
         if schedule_model.is_v_shaped(schedule):

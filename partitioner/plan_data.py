@@ -4,7 +4,7 @@ class :class:`Plan` (``python -m hetpipe.plan``, hetpipe/plan.py, is the command
 A plan is data (YAML-serialisable): the partitioner writes one, and
 ``pretrain`` reads one or builds it from explicit overrides such as
 ``partition.layers=[15,17]``. Stages are *virtual* stages in pipeline order;
-with several chunks per rank (``num_chunks`` > 1) :mod:`hetpipe.placement`
+with several chunks per rank (``num_chunks`` > 1) :mod:`hetpipe.pipeline.placement`
 says which rank holds which: r, r + P, r + 2P, ... interleaved, or r and
 2P - 1 - r in zb_v's V. The embedding always sits on the first virtual stage
 and the output head on the last, so a stage's unit range is its layers plus
@@ -20,8 +20,8 @@ import yaml
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.recompute import RECOMPUTE_MODES
-from hetpipe.placement import Placement, check_chunks
-from hetpipe.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec, several_chunks
 
 
 @dataclass
@@ -44,18 +44,19 @@ class StagePlan:
 @dataclass
 class Plan:
     stages: List[StagePlan]
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     num_chunks: int = 1
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"plan schedule {self.schedule!r} is not one of {SCHEDULES}")
+            raise ConfigError(f"plan schedule {self.schedule!r} is not one of {tuple(SCHEDULES)}")
+        spec = schedule_spec(self.schedule)
         if self.num_chunks < 1 or len(self.stages) % self.num_chunks:
             raise ConfigError(f"plan has {len(self.stages)} stages, not a multiple of num_chunks={self.num_chunks}")
-        check_chunks(self.schedule, self.num_chunks)
-        if self.num_chunks > 1 and self.schedule not in ("interleaved_1f1b", "zb_v"):
-            raise ConfigError("num_chunks > 1 needs schedule=interleaved_1f1b (or zb_v, for two)")
+        spec.check_placement(self.num_chunks)
+        if self.num_chunks > 1 and spec.chunks == 1:
+            raise ConfigError(f"num_chunks > 1 needs schedule={several_chunks()}")
         if any(s.layers < 0 for s in self.stages):
             raise ConfigError(f"plan has a negative layer count: {[s.layers for s in self.stages]}")
         for v, s in enumerate(self.stages):
@@ -64,7 +65,7 @@ class Plan:
                                   f"{', '.join(RECOMPUTE_MODES)}")
             if s.recompute_num_layers is not None and s.recompute_num_layers < 0:
                 raise ConfigError(f"plan stage {v}: recompute_num_layers={s.recompute_num_layers} is negative")
-            if self.schedule in SPLIT_BACKWARD_SCHEDULES and s.recompute == "full":
+            if spec.split_backward and s.recompute == "full":
                 # W reruns single nodes of a layer's graph after B; a fully
                 # recomputed layer would rerun its whole forward for each.
                 raise ConfigError(f"plan stage {v}: recompute=full cannot run under schedule {self.schedule} "

@@ -25,7 +25,8 @@ import hetpipe.partitioner.v_split as v_split
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.split import Split
-from hetpipe.placement import Placement
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, schedule_spec
 
 
 @dataclass
@@ -80,7 +81,7 @@ class Solution:
     global_batch_size: int
     seq_length: int
     # The pipeline schedule the stages run (schedule_model.PLANNED_SCHEDULES).
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     # The best plan under each schedule considered, this one's included.
     schedule_options: list["ScheduleOption"] = field(default_factory=list)
     # How many candidates the search solved exactly (the rest were pruned by their bound).
@@ -111,7 +112,7 @@ class Solution:
                                   "order; ranks keep the cluster's numbering")
         if self.idle_ranks:
             notes["idle_ranks"] = list(self.idle_ranks)
-        chunks = 2 if schedule_model.is_v_shaped(self.schedule) else 1
+        chunks = schedule_spec(self.schedule).chunks
         placement = Placement(self.schedule, len(self.stages), chunks)
         virtual = []
         for v in range(placement.num_stages):
@@ -144,7 +145,7 @@ class ScheduleOption:
                    fullest.usable_gib)
 
 
-def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: str = "1f1b") -> Solution:
+def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: str = DEFAULT_SCHEDULE) -> Solution:
     """The chosen plan under ``schedule``, stage by stage, with its predicted time and memory."""
     layout = cand.layout()
     P, M, T = len(layout), cand.num_microbatches, split.step_s
@@ -152,7 +153,7 @@ def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: st
     alone = P == 1 and not schedule_model.is_v_shaped(schedule)
     if schedule_model.is_v_shaped(schedule):
         facts = [(list(r.ranges), r.memory, r.capacity, r.sync_s, r.mode, r.covered)
-                 for r in v_split.price(ctx, cand, bounds)]
+                 for r in v_split.price(schedule, ctx, cand, bounds)]
         links = [schedule_model.boundary_messages(schedule) * c for c in v_split.message_s(ctx, cand)]
     else:
         prob = ctx.problem(cand, schedule)

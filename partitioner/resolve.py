@@ -19,7 +19,8 @@ from hetpipe.models.parallelize import check_tensor_parallel
 from hetpipe.partitioner.inputs import PartitionRequest, PlanRequest, TrainShape
 from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split
 from hetpipe.partitioner.solver import plan_for
-from hetpipe.placement import Placement
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.registry import schedule_spec
 
 
 def group_tp_degrees(partition: PartitionRequest, cluster: ClusterConfig) -> list[int]:
@@ -50,7 +51,7 @@ def build_plan(partition: PartitionRequest, cluster: ClusterConfig, model: Model
         for j in range(g.size // per_stage):
             physical.append((g.name, list(range(start + j * per_stage, start + (j + 1) * per_stage)), tps[i]))
     p = len(physical)
-    if partition.num_chunks > 1 and p == 1 and partition.schedule == "interleaved_1f1b":
+    if partition.num_chunks > 1 and p == 1 and schedule_spec(partition.schedule).chunks is None:  # interleaving
         raise ConfigError("partition.num_chunks > 1 (interleaving) needs at least two pipeline stages")
     placement = Placement(partition.schedule, p, partition.num_chunks)
     virtual = p * partition.num_chunks

@@ -35,7 +35,7 @@ more), which is all this module says:
   stage, so it only wins where nothing else is allowed. Its time is taken as
   1F1B's (for unequal stages GPipe's is a little longer: a lower estimate).
 
-* **zb_v** (two chunks per rank in a V, :mod:`hetpipe.schedule_zbv`): rank
+* **zb_v** (two chunks per rank in a V, :mod:`hetpipe.pipeline.schedule_zbv`): rank
   r holds virtual stages r and 2P - 1 - r, two unit ranges, which the formula
   above does not price: a V waits on each chunk in turn, not on a rank's
   total, so :mod:`hetpipe.partitioner.v_split` runs the zb_v order itself
@@ -60,29 +60,32 @@ does not solve.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 
-from hetpipe.actions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.placement import V_SHAPED_SCHEDULES, Placement
-from hetpipe.schedule_zbv import v_orders
-from hetpipe.schedules import SPLIT_BACKWARD_SCHEDULES, compute_orders, output_stage
+from hetpipe.pipeline.actions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.registry import SCHEDULES, V_SPLIT, Pricing, planned, schedule_spec
+from hetpipe.pipeline.schedules import compute_orders, output_stage
 
-# In the order the planner reports them and breaks ties by (least memory first).
-PLANNED_SCHEDULES = ("1f1b", "zb_h1", "zb_v", "gpipe")
+# In the order the planner reports them and breaks ties by (least memory
+# first): the registry's entries with a Pricing, by its preference.
+PLANNED_SCHEDULES = tuple(s.name for s in planned())
 
 
 def schedules_for(schedule: str, recompute: str) -> tuple[str, ...]:
     """The schedules ``planner.schedule`` lets the search consider."""
     if schedule == "auto":
         # Full recomputation everywhere leaves the zero-bubble schedules nothing they can run.
-        return tuple(s for s in PLANNED_SCHEDULES if not (s in SPLIT_BACKWARD_SCHEDULES and recompute == "full"))
+        return tuple(s for s in PLANNED_SCHEDULES if not (_splits_backward(s) and recompute == "full"))
     if schedule not in PLANNED_SCHEDULES:
+        unmodelled = ", ".join(s for s in SCHEDULES if s not in PLANNED_SCHEDULES)
         raise ConfigError(f"planner.schedule={schedule!r} is not one of auto, {', '.join(PLANNED_SCHEDULES)} "
-                          "(the planner does not model interleaved_1f1b)")
-    if schedule in SPLIT_BACKWARD_SCHEDULES and recompute == "full":
+                          f"(the planner does not model {unmodelled})")
+    if _splits_backward(schedule) and recompute == "full":
         raise ConfigError(f"planner.schedule={schedule} cannot run planner.recompute=full (its deferred weight "
                           "gradients would recompute the layer again); use auto, none or selective")
     return (schedule,)
@@ -90,36 +93,44 @@ def schedules_for(schedule: str, recompute: str) -> tuple[str, ...]:
 
 def is_v_shaped(schedule: str) -> bool:
     """Whether ``schedule``'s ranks hold two unit ranges in a V (split by partitioner/v_split.py)."""
-    return schedule in V_SHAPED_SCHEDULES
+    pricing = schedule_spec(schedule).pricing
+    return pricing is not None and pricing.split == V_SPLIT
 
 
 def recompute_modes(schedule: str, modes: tuple[str, ...]) -> tuple[str, ...]:
     """The recomputation modes a stage may run under ``schedule``: a zero-bubble
     schedule's deferred W would rerun a fully recomputed layer's forward again."""
-    return tuple(m for m in modes if not (schedule in SPLIT_BACKWARD_SCHEDULES and m == "full"))
+    return tuple(m for m in modes if not (_splits_backward(schedule) and m == "full"))
+
+
+def _splits_backward(schedule: str) -> bool:
+    return schedule_spec(schedule).split_backward
+
+
+def _pricing(schedule: str) -> Pricing:
+    """``schedule``'s planner facts; one line for a schedule the planner does not model."""
+    pricing = schedule_spec(schedule).pricing
+    if pricing is None:
+        raise ConfigError(f"the planner does not model schedule {schedule}")
+    return pricing
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
     """Per stage, the most microbatches between their F and their W (or
     whole backward) at once, as the schedule defines them (contiguous
-    schedules; zb_v's chunks: :func:`v_chunk_counts`). Memory is priced with
-    what the engine holds, :func:`memory_rows`."""
-    P, M = num_stages, num_microbatches
-    if schedule == "gpipe":
-        return np.full(P, M)
-    if schedule == "zb_h1":
-        return np.full(P, min(P, M))
-    return np.minimum(P - np.arange(P), M)
+    schedules, the entry's ``in_flight``; zb_v's chunks: :func:`v_chunk_counts`).
+    Memory is priced with what the engine holds, :func:`memory_rows`."""
+    return _pricing(schedule).in_flight(num_stages, num_microbatches)
 
 
 @lru_cache(maxsize=64)
-def v_chunk_counts(num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, ...]:
-    """Per rank under zb_v, the (chunk 0, chunk 1) counts of microbatches
+def v_chunk_counts(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, ...]:
+    """Per rank under a V schedule (zb_v), the (chunk 0, chunk 1) counts of microbatches
     between their F and their W at the moments no other moment dominates
     (rows of an (n, 2) array): the rank's activation peak is the largest
     ``n0 * a0 + n1 * a1`` over these rows, whatever its chunks' sizes a0, a1."""
     counts = []
-    for order in v_orders(num_ranks, num_microbatches):
+    for order in compute_orders(schedule, num_ranks, num_microbatches, 2):
         live, seen = [0, 0], set()
         for kind, _, chunk in order:
             if kind == FWD:
@@ -135,9 +146,9 @@ def v_chunk_counts(num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, .
 @lru_cache(maxsize=128)
 def memory_rows(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[np.ndarray, ...]:
     """Per rank, what it holds at the moments its memory can peak, walking the
-    engine's own action list (:func:`hetpipe.schedules.build_schedule`'s
+    engine's own action list (:func:`hetpipe.pipeline.schedules.build_schedule`'s
     computations, each send right after the one that produced it) as
-    :meth:`hetpipe.engine.PipelineEngine.run_step` runs it.
+    :meth:`hetpipe.pipeline.engine.PipelineEngine.run_step` runs it.
 
     Each row, one per computation, counts for each of the rank's C chunks
     (1, or 2 under zb_v) the microbatches whose activations are alive, those
@@ -169,7 +180,7 @@ def memory_rows(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[n
       tensor until then: a rank's peak late in the step carries up to M
       boundary messages per direction it sends (1 GiB at seq 8192, M = 16).
     """
-    chunks = 2 if is_v_shaped(schedule) else 1
+    chunks = schedule_spec(schedule).chunks or 1
     placement = Placement(schedule, num_ranks, chunks)
     last = placement.num_stages - 1
     out = []
@@ -273,21 +284,20 @@ def peak_bytes(rows: np.ndarray, act: list, kept: list, weight: list, boundary: 
 
 
 def weight_credit(schedule: str, num_stages: int, num_microbatches: int) -> float:
-    """kappa in ``p_k = t_k - 2 kappa w_k`` (k > 0) of the contiguous schedules:
-    1 for zb_h1 with M >= P, 0 for 1f1b and gpipe (zb_v is simulated: v_split)."""
-    P, M = num_stages, num_microbatches
-    if P == 1 or schedule != "zb_h1":
-        return 0.0
-    return (P - 2 + min(M, P)) / (2 * (P - 1))
+    """kappa in ``p_k = t_k - 2 kappa w_k`` (k > 0) of the contiguous schedules
+    (the entry's ``weight_credit``): 1 for zb_h1 with M >= P, 0 for 1f1b and
+    gpipe (zb_v is simulated: v_split)."""
+    return _pricing(schedule).weight_credit(num_stages, num_microbatches)
 
 
-# The largest weight_credit of each schedule, for the search's lower bounds.
-MAX_WEIGHT_CREDIT = {"zb_h1": 1.0}
+def max_weight_credit(schedule: str) -> Optional[float]:
+    """The largest :func:`weight_credit` of ``schedule``, for the search's lower bounds (None: no credit)."""
+    return _pricing(schedule).max_weight_credit
 
 
 def boundary_messages(schedule: str) -> int:
     """Messages each way over a boundary per microbatch: both chunks' in a V."""
-    return 2 if is_v_shaped(schedule) else 1
+    return _pricing(schedule).boundary_messages
 
 
 def weight_backward_s(model: ModelConfig, micro_batch_size: int, seq_length: int, forward_s: np.ndarray,

@@ -84,7 +84,7 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             continue
         lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
         if schedule_model.is_v_shaped(schedule):
-            best, count = _search_v(ctx, blocks, fixed)
+            best, count = _search_v(schedule, ctx, blocks, fixed)
         else:
             best, count = _search(ctx, blocks, fixed, schedule)
         solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
@@ -137,9 +137,9 @@ def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[lis
 V_REFINED = 3
 
 
-def _search_v(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
+def _search_v(schedule: str, ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
               ) -> tuple[Optional[tuple[Candidate, Split]], int]:
-    """zb_v's search (partitioner/v_split.py): each candidate's starting splits
+    """A V schedule's search (zb_v; partitioner/v_split.py): each candidate's starting splits
     are simulated, best-first by a lower bound, and the best few are climbed."""
     lbs = np.concatenate([b.lower_bounds for b in blocks])
     starts_at = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
@@ -152,8 +152,8 @@ def _search_v(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int
         bi = int(np.searchsorted(starts_at, pos, side="right")) - 1
         cand = blocks[bi].candidate(int(pos - starts_at[bi]))
         solved += 1
-        for cuts in ([fixed] if fixed is not None else v_split.starts(ctx, cand)):
-            split, overflow = v_split.evaluate(ctx, cand, cuts)
+        for cuts in ([fixed] if fixed is not None else v_split.starts(schedule, ctx, cand)):
+            split, overflow = v_split.evaluate(schedule, ctx, cand, cuts)
             if split is not None:
                 scored.append((split.step_s, len(scored), cand, split))
                 best = min(best, split.step_s)
@@ -166,8 +166,8 @@ def _search_v(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int
     scored = []
     for cand, cuts in finalists:
         if fixed is None:
-            cuts = v_split.climb(ctx, cand, cuts)[1]
-        split, _ = v_split.evaluate(ctx, cand, cuts)
+            cuts = v_split.climb(schedule, ctx, cand, cuts)[1]
+        split, _ = v_split.evaluate(schedule, ctx, cand, cuts)
         if split is not None:
             scored.append((split.step_s, len(scored), cand, split))
     if not scored:
@@ -262,8 +262,9 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
                     continue
                 units = [ctx.unit_costs(g, tps[g], mbs, bound_mode, False) for g in range(G)]
                 stage_lb, sum_lb = _balance_bounds([u.time_s for u in units], grid)
-                if schedule in schedule_model.MAX_WEIGHT_CREDIT:
-                    sum_lb = _zero_bubble_path_bound(ctx, units, mbs, schedule_model.MAX_WEIGHT_CREDIT[schedule])
+                credit = schedule_model.max_weight_credit(schedule)
+                if credit is not None:
+                    sum_lb = _zero_bubble_path_bound(ctx, units, mbs, credit)
                 for order in orders:
                     probe = Candidate(order, tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
                     cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
@@ -406,11 +407,11 @@ def _fullest(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[l
     return [(value, k, [(i, j)], memory[k, i, j] / cost.GIB, capacity[k] / cost.GIB)]
 
 
-def _v_fullest(ctx: CostContext, cand: Candidate, fixed: Optional[list[int]]):
+def _v_fullest(schedule: str, ctx: CostContext, cand: Candidate, fixed: Optional[list[int]]):
     """As :func:`_fullest`, for zb_v's starting splits (or the fixed one)."""
     found = []
-    for cuts in ([fixed] if fixed is not None else v_split.starts(ctx, cand)):
-        ranks = v_split.price(ctx, cand, cuts)
+    for cuts in ([fixed] if fixed is not None else v_split.starts(schedule, ctx, cand)):
+        ranks = v_split.price(schedule, ctx, cand, cuts)
         k = max(range(len(ranks)), key=lambda s: ranks[s].memory / ranks[s].capacity)
         r = ranks[k]
         found.append((r.memory / r.capacity, k, list(r.ranges), r.memory / cost.GIB, r.capacity / cost.GIB))
@@ -433,7 +434,7 @@ def _no_fit_error(ctx: CostContext, blocks: list[_Block], schedule: str, fixed: 
     # A V candidate is priced start by start in Python, not as one matrix: fewer of them.
     for block, r in lean[:limit // 25 if v_shaped else limit]:
         cand = block.candidate(r)
-        for value, k, ranges, need, usable in (_v_fullest(ctx, cand, fixed) if v_shaped else
+        for value, k, ranges, need, usable in (_v_fullest(schedule, ctx, cand, fixed) if v_shaped else
                                                _fullest(ctx, cand, schedule, fixed)):
             if best is None or value < best[0]:
                 best = (value, cand, k, ranges, need, usable)

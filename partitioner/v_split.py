@@ -1,7 +1,7 @@
 """ZB-V's split: two unit ranges per rank, priced by running the schedule.
 
 Under ``zb_v`` rank r holds virtual stages r and 2P - 1 - r
-(:mod:`hetpipe.placement`): with virtual-stage boundaries
+(:mod:`hetpipe.pipeline.placement`): with virtual-stage boundaries
 ``c_0 = 0 < c_1 < ... < c_2P = U`` its units are [c_r, c_r+1) and
 [c_2P-1-r, c_2P-r). The contiguous schedules' step formula
 (:mod:`hetpipe.partitioner.split`) does not carry over to such splits. On 4
@@ -45,7 +45,7 @@ from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan_data import even_split, unit_bounds
 from hetpipe.partitioner.split import INF, Split, minimax
 from hetpipe.partitioner.v_timing import makespan
-from hetpipe.placement import Placement
+from hetpipe.pipeline.placement import Placement
 
 # Boundary moves a climb may make (each a simulation); far more than it needs
 # for the 32-layer models on 2-8 ranks, where it settles within a few dozen.
@@ -83,12 +83,12 @@ def rank_ranges(cuts: list[int], rank: int) -> tuple[tuple[int, int], tuple[int,
     return (cuts[rank], cuts[rank + 1]), (cuts[2 * P - 1 - rank], cuts[2 * P - rank])
 
 
-def price(ctx: CostContext, cand: Candidate, cuts: list[int]) -> list[RankPrice]:
-    """Every rank of the V split ``cuts`` (virtual-stage unit boundaries)."""
+def price(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) -> list[RankPrice]:
+    """Every rank of the V split ``cuts`` (virtual-stage unit boundaries) under ``schedule`` (zb_v)."""
     layout = cand.layout()
     P, mbs, dp = len(layout), cand.micro_batch_size, cand.dp
-    rows = schedule_model.memory_rows("zb_v", P, cand.num_microbatches)
-    modes = schedule_model.recompute_modes("zb_v", ctx.recompute_modes)
+    rows = schedule_model.memory_rows(schedule, P, cand.num_microbatches)
+    modes = schedule_model.recompute_modes(schedule, ctx.recompute_modes)
     out = []
     for k, (g, _) in enumerate(layout):
         tp = cand.tp[g]
@@ -123,32 +123,32 @@ def message_s(ctx: CostContext, cand: Candidate) -> list[float]:
     return [ctx.link_s(cand, layout[k], layout[k + 1]) for k in range(len(layout) - 1)]
 
 
-def step_s(cand: Candidate, ranks: list[RankPrice], links: list[float]) -> float:
-    """The predicted step of a priced V split: the zb_v order run with its
+def step_s(schedule: str, cand: Candidate, ranks: list[RankPrice], links: list[float]) -> float:
+    """The predicted step of a priced V split: ``schedule``'s order run with its
     chunks' times and its messages' (:mod:`hetpipe.partitioner.v_timing`,
     equal to the simulator's makespan), then the slowest rank's sync."""
     times = ([r.forward_s for r in ranks], [r.input_backward_s for r in ranks],
              [r.weight_backward_s for r in ranks])
-    return makespan(cand.num_microbatches, times, links) + max(r.sync_s for r in ranks)
+    return makespan(schedule, cand.num_microbatches, times, links) + max(r.sync_s for r in ranks)
 
 
-def evaluate(ctx: CostContext, cand: Candidate, cuts: list[int]) -> tuple[Optional[Split], float]:
+def evaluate(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) -> tuple[Optional[Split], float]:
     """``cuts`` priced as a :class:`Split` (None where a rank does not fit), and
     the bytes by which its ranks overflow their memory in all."""
-    ranks = price(ctx, cand, cuts)
+    ranks = price(schedule, ctx, cand, cuts)
     overflow = sum(r.overflow for r in ranks)
     if overflow:
         return None, overflow
-    return Split(tuple(cuts), step_s(cand, ranks, message_s(ctx, cand)), max(r.time_s for r in ranks),
+    return Split(tuple(cuts), step_s(schedule, cand, ranks, message_s(ctx, cand)), max(r.time_s for r in ranks),
                  max(r.sync_s for r in ranks)), 0.0
 
 
-def starts(ctx: CostContext, cand: Candidate) -> list[list[int]]:
+def starts(schedule: str, ctx: CostContext, cand: Candidate) -> list[list[int]]:
     """Where the climb begins: the split with the fastest slowest virtual stage,
     and even layers (the runtime's default split), where each is valid."""
     layout = cand.layout()
     P, U = len(layout), ctx.num_units
-    placement = Placement("zb_v", P, 2)
+    placement = Placement(schedule, P, 2)
     found = []
     time = np.stack([ctx.group_costs(layout[placement.rank_of(v)][0], cand.tp[layout[placement.rank_of(v)][0]],
                                      cand.dp, cand.micro_batch_size, "none", False).time for v in range(2 * P)])
@@ -161,7 +161,7 @@ def starts(ctx: CostContext, cand: Candidate) -> list[list[int]]:
     return found
 
 
-def climb(ctx: CostContext, cand: Candidate, cuts: list[int]) -> tuple[tuple[float, float], list[int]]:
+def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) -> tuple[tuple[float, float], list[int]]:
     """Move one boundary by one unit at a time while (memory overflow, step)
     falls; the best (overflow, step) and its boundaries."""
     links = message_s(ctx, cand)
@@ -170,8 +170,8 @@ def climb(ctx: CostContext, cand: Candidate, cuts: list[int]) -> tuple[tuple[flo
     def score(c: list[int]) -> tuple[float, float]:
         key = tuple(c)
         if key not in seen:
-            ranks = price(ctx, cand, c)
-            seen[key] = (sum(r.overflow for r in ranks), step_s(cand, ranks, links))
+            ranks = price(schedule, ctx, cand, c)
+            seen[key] = (sum(r.overflow for r in ranks), step_s(schedule, cand, ranks, links))
         return seen[key]
 
     best, moves, improved = score(cuts), 0, True

@@ -2,7 +2,7 @@
 
 The planner prices a V split by the makespan of the zb_v order run with each
 (rank, chunk)'s F, B and W times and each boundary message's time
-(:mod:`hetpipe.partitioner.v_split`). :func:`hetpipe.schedule_check.simulate`
+(:mod:`hetpipe.partitioner.v_split`). :func:`hetpipe.pipeline.schedule_check.simulate`
 computes that makespan, but it also checks every pipeline rule on every
 action: 0.95 ms per run at 4 ranks x 16 microbatches and 3.75 ms at 8 x 32
 on this project's 2-core machine, against 0.025 and 0.100 ms here, for a
@@ -21,21 +21,21 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from hetpipe.actions import BWD_INPUT, BWD_WEIGHT, FWD
-from hetpipe.placement import Placement
-from hetpipe.schedule_zbv import v_orders
+from hetpipe.pipeline.actions import BWD_INPUT, BWD_WEIGHT, FWD
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.schedules import compute_orders
 
 KINDS = (FWD, BWD_INPUT, BWD_WEIGHT)
 
 
 @lru_cache(maxsize=64)
-def program(num_ranks: int, num_microbatches: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """(rank, kind index in KINDS, chunk, position of the computation it waits
+def program(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Under the V schedule ``schedule`` (zb_v): (rank, kind index in KINDS, chunk, position of the computation it waits
     for or -1, boundary it crosses or -1) per computation, dependencies first."""
     P = num_ranks
-    placement = Placement("zb_v", P, 2)
+    placement = Placement(schedule, P, 2)
     last = 2 * P - 1
-    orders = v_orders(P, num_microbatches)
+    orders = compute_orders(schedule, P, num_microbatches, 2)
     position: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, virtual stage) -> index
     out: list[tuple[int, int, int, int, int]] = []
     cursor = [0] * P
@@ -60,17 +60,18 @@ def program(num_ranks: int, num_microbatches: int) -> tuple[tuple[int, int, int,
                 cursor[rank] += 1
                 progressed = True
         if not progressed:  # the simulator proves zb_v never gets here
-            raise RuntimeError(f"zb_v order for {P} ranks x {num_microbatches} microbatches deadlocks")
+            raise RuntimeError(f"{schedule} order for {P} ranks x {num_microbatches} microbatches deadlocks")
     return tuple(out)
 
 
-def makespan(num_microbatches: int, times: Sequence[Sequence[Sequence[float]]], links: Sequence[float]) -> float:
-    """When the last rank finishes: ``times[kind][rank][chunk]`` (kinds as
+def makespan(schedule: str, num_microbatches: int, times: Sequence[Sequence[Sequence[float]]],
+             links: Sequence[float]) -> float:
+    """When the last rank finishes ``schedule``'s order: ``times[kind][rank][chunk]`` (kinds as
     KINDS), ``links[l]`` one message's time between ranks l and l + 1."""
     P = len(times[0])
     finish: list[float] = []
     free = [0.0] * P
-    for rank, kind, chunk, dep, boundary in program(P, num_microbatches):
+    for rank, kind, chunk, dep, boundary in program(schedule, P, num_microbatches):
         start = free[rank]
         if dep >= 0:
             ready = finish[dep] + (links[boundary] if boundary >= 0 else 0.0)

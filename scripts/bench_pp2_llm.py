@@ -75,7 +75,8 @@ from hetpipe.partitioner.resolve import build_plan
 from hetpipe.partitioner.schedule_model import PLANNED_SCHEDULES
 from hetpipe.partitioner.solver import plan_for, solve
 from hetpipe.pretrain_config import PretrainConfig, register_configs, resolve
-from hetpipe.schedules import SCHEDULES
+from hetpipe.pipeline.layouts import V_SHAPE
+from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, ONE_F_ONE_B, SCHEDULES, schedule_spec
 
 # The peer's options sit beside this script (sys.path[0] when run as a script).
 from peer_options import SCHEDULES as PEER_SCHEDULES  # noqa: E402
@@ -87,7 +88,7 @@ PYTHON = [sys.executable]
 VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 # hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.
 # zb_v halves each rank's --layers count into its two chunks (partitioner.plan_data.v_layers).
-HETPIPE_SCHEDULES = tuple(name for name in SCHEDULES if name != "interleaved_1f1b")
+HETPIPE_SCHEDULES = tuple(s.name for s in SCHEDULES.values() if s.chunks is not None)  # not interleaving
 
 # Both hetpipe and the peer follow this optimizer schedule: lr 3e-4 (the
 # default) after 2000 warmup steps, as in a real LLaMA-3-8B run's first steps.
@@ -171,7 +172,7 @@ def hetpipe_overrides(args, variant: str, flags: set[str], schedule: str,
             *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
             f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
             f"optimizer.distributed={'zero1' in flags}", f"partition.schedule={schedule}",
-            f"partition.num_chunks={2 if schedule == 'zb_v' else 1}",
+            f"partition.num_chunks={schedule_spec(schedule).chunks}",
             *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
             *[f"cluster.transport.gemm_sm_carveout={f[2:]}" for f in flags if f.startswith("sm")],
             *[f"optimizer.{k}={v}" for k, v in OPTIMIZER.items()],
@@ -217,10 +218,10 @@ def run_split(args, base: str, flags: set[str], schedule: str) -> list[int] | No
     if base == "tp2":
         return None
     if base == "peer":
-        return run_split(args, "nccl", flags & {"compile"}, "1f1b")
+        return run_split(args, "nccl", flags & {"compile"}, ONE_F_ONE_B.name)
     if args.layers != "auto":
         counts = [int(n) for n in args.layers.split(",")]
-        return v_layers(counts) if schedule == "zb_v" else counts
+        return v_layers(counts) if schedule_spec(schedule).layout is V_SHAPE else counts
     return planned_split(run_config(hetpipe_overrides(args, base, flags, schedule, None)))
 
 
@@ -441,7 +442,7 @@ def main() -> None:
                     "and (nccl only) +ctaN and +smN")
         if base == "peer" and args.gpus != 2:
             p.error("the pipelining peer runs on two GPUs only")
-        runs.append((variant, base, flags, next((f.removeprefix("sched=") for f in sched_flags), "1f1b")))
+        runs.append((variant, base, flags, next((f.removeprefix("sched=") for f in sched_flags), DEFAULT_SCHEDULE)))
     splits = {variant: _split_or_fail(args, variant, base, flags, schedule) for variant, base, flags, schedule in runs}
     results: dict[str, dict] = {}
     for variant, base, flags, schedule in runs:

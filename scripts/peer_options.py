@@ -18,6 +18,7 @@ from torch.distributed import pipelining
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import model_preset
 from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split, v_layers
+from hetpipe.pipeline.registry import ONE_F_ONE_B, ZB_V
 from hetpipe.pretrain_config import OptimizerConfig
 
 # --schedule -> torch.distributed.pipelining class.
@@ -152,8 +153,10 @@ def make_plan(layers: Optional[str], num_layers: int, schedule: str = "1f1b"):
     if len(counts) != stages:
         raise SystemExit(f"bench_pipelining_peer: --layers wants {stages} counts, got {layers!r}")
     ranks = {v: r for r in range(NUM_RANKS) for v in local_stages(schedule, r)}
+    # The hetpipe schedule of the same placement names the peer's stages' ranks.
+    same = ZB_V if schedule in V_SHAPED else ONE_F_ONE_B
     plan = Plan(stages=[StagePlan(group="peer", ranks=[ranks[v]], layers=n) for v, n in enumerate(counts)],
-                schedule="zb_v" if schedule in V_SHAPED else "1f1b", num_chunks=2 if schedule in V_SHAPED else 1)
+                schedule=same.name, num_chunks=same.chunks)
     try:
         plan.check_model(num_layers)
     except ConfigError as exc:

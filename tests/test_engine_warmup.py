@@ -1,10 +1,10 @@
 """The engine's kernel warm-up leaves training exactly as if it had not run."""
 import torch
 
-from hetpipe.engine import PipelineEngine
+from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.models import build_model
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.schedules import build_schedule
+from hetpipe.pipeline.schedules import build_schedule
 
 
 def _engine(cfg, chunk):

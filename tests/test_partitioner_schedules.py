@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe.engine import PipelineEngine
+from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.plan import format_solution
 from hetpipe.models import build_model, model_preset
@@ -23,9 +23,9 @@ from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.solver import solve
 from hetpipe.partitioner.split import step_time_s
 from hetpipe.pretrain_config import TrainConfig
-from hetpipe.placement import Placement
-from hetpipe.schedule_check import simulate
-from hetpipe.schedules import build_schedule
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.schedule_check import simulate
+from hetpipe.pipeline.schedules import build_schedule
 
 
 @pytest.mark.parametrize("P", range(1, 7))
@@ -129,7 +129,7 @@ def test_zb_v_counts_and_simulated_step_equal_the_schedule(P, M):
     assert run.makespan == 6 * M + max(P - 1, 4 * P - 2 - 2 * M)
     # The chunk counts the planner prices memory with: their largest total is
     # the simulator's peak of chunks between F and W, 2P on every rank once the V is full.
-    counts = schedule_model.v_chunk_counts(P, M)
+    counts = schedule_model.v_chunk_counts("zb_v", P, M)
     assert [int(c.sum(axis=1).max()) for c in counts] == run.max_in_flight
     if M >= 2 * P - 1:
         assert run.max_in_flight == [2 * P] * P
@@ -137,13 +137,13 @@ def test_zb_v_counts_and_simulated_step_equal_the_schedule(P, M):
     # times and each message's: equal chunks and free links give the makespan.
     ranks = [v_split.RankPrice(((0, 1), (1, 2)), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), 0.0, 1.0, 0.5, 0, 0)] * P
     cand = Candidate((0,), (P,), (1,), 1, 1, M)
-    assert v_split.step_s(cand, ranks, [0.0] * (P - 1)) == run.makespan + 0.5
+    assert v_split.step_s("zb_v", cand, ranks, [0.0] * (P - 1)) == run.makespan + 0.5
     if M >= 2 * P - 1:
         assert run.makespan == 6 * M + P - 1
     # A message's time delays what waits for it: the fill crosses every
     # boundary twice each way, so slow links lengthen the step.
     if P > 1:
-        assert v_split.step_s(cand, ranks, [0.25] * (P - 1)) > run.makespan + 0.5
+        assert v_split.step_s("zb_v", cand, ranks, [0.25] * (P - 1)) > run.makespan + 0.5
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -158,7 +158,7 @@ def test_v_timing_program_equals_the_simulators_makespan(seed):
         run = simulate(build_schedule("zb_v", P, M, 2), num_chunks=2, placement=Placement("zb_v", P, 2),
                        cost=lambda r, a: times[v_timing.KINDS.index(a.kind)][r][a.chunk],
                        link=lambda src, dst: links[min(src, dst)])
-        assert v_timing.makespan(M, times, links) == pytest.approx(run.makespan, rel=1e-12)
+        assert v_timing.makespan("zb_v", M, times, links) == pytest.approx(run.makespan, rel=1e-12)
 
 
 def _v_cluster() -> ClusterConfig:
@@ -178,7 +178,7 @@ def test_v_split_search_is_within_a_percent_of_every_split(layers):
     solution = solve(model, _v_cluster(), train, planner)
     ctx = CostContext(model, _v_cluster(), train, planner)
     U, P = model.num_units, 4
-    steps = [v_split.evaluate(ctx, solution.candidate, [0, *inner, U])[0]
+    steps = [v_split.evaluate("zb_v", ctx, solution.candidate, [0, *inner, U])[0]
              for inner in itertools.combinations(range(1, U), 2 * P - 1)]
     best = min(s.step_s for s in steps if s is not None)
     assert best <= solution.step_s <= best * 1.01
@@ -286,7 +286,7 @@ def test_memory_rows_hold_at_least_the_schedules_own_counts(P, M):
         chunks = 2 if schedule == "zb_v" else 1
         rows = schedule_model.memory_rows(schedule, P, M)
         lists = build_schedule(schedule, P, M, chunks)
-        own = schedule_model.v_chunk_counts(P, M) if chunks == 2 else schedule_model.in_flight(schedule, P, M)
+        own = schedule_model.v_chunk_counts("zb_v", P, M) if chunks == 2 else schedule_model.in_flight(schedule, P, M)
         for k, r in enumerate(rows):
             assert r[:, -1].max() <= sum(a.kind.startswith("send_") for a in lists[k])
             alive = r[:, :chunks].sum(axis=1).max()

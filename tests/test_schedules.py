@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 
 from hetpipe.errors import ConfigError
-from hetpipe.placement import Placement, virtual_stage
-from hetpipe.schedule_check import ScheduleError, simulate
-from hetpipe.schedules import (
+from hetpipe.pipeline.placement import Placement, virtual_stage
+from hetpipe.pipeline.schedule_check import ScheduleError, simulate
+from hetpipe.pipeline.schedules import (
     Action,
     build_schedule,
     forward_only,

@@ -1,6 +1,6 @@
 """The schedule checker: runs every rank's action list together and proves it.
 
-:mod:`hetpipe.schedules` generates the per-rank action lists; this module
+:mod:`hetpipe.pipeline.schedules` generates the per-rank action lists; this module
 executes all of them at once under the transport's rules (asynchronous sends,
 blocking receives, FIFO matching per ordered pair of ranks, as NCCL
 point-to-point) and refuses a deadlock, a mismatched message, a backward
@@ -17,7 +17,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hetpipe.actions import (
+from hetpipe.pipeline.actions import (
     ACTION_KINDS,
     BWD,
     BWD_INPUT,
@@ -29,8 +29,9 @@ from hetpipe.actions import (
     SEND_FWD,
     Action,
 )
-from hetpipe.placement import Placement
-from hetpipe.schedules import input_stage, output_stage
+from hetpipe.pipeline.placement import Placement
+from hetpipe.pipeline.registry import INTERLEAVED_1F1B
+from hetpipe.pipeline.schedules import input_stage, output_stage
 
 # Relative cost of each computation in SimulationResult.makespan: the paper's
 # T_F = T_B = T_W, so a whole backward is two units.
@@ -102,7 +103,7 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_only: b
     if num_ranks == 0:
         raise ScheduleError("a schedule needs at least one rank")
     if placement is None:
-        placement = Placement("interleaved_1f1b", num_ranks, num_chunks)
+        placement = Placement(INTERLEAVED_1F1B.name, num_ranks, num_chunks)
     if (placement.num_ranks, placement.num_chunks) != (num_ranks, num_chunks):
         raise ScheduleError(f"{num_ranks} ranks x {num_chunks} chunk(s) simulated under a placement of "
                             f"{placement.num_ranks} x {placement.num_chunks}")

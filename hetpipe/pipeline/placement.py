@@ -1,45 +1,29 @@
 """Which virtual stage each (rank, chunk) holds: the one place that says it.
 
 A pipeline of ``P`` ranks with ``C`` model chunks each runs ``P * C``
-virtual stages in pipeline order (stage 0 reads the tokens, the last one
-computes the loss). Where they sit depends on the schedule:
-
-* **interleaved** (every schedule but ``zb_v``; Megatron's interleaving):
-  chunk ``c`` of rank ``r`` is stage ``c * P + r``, so the forward walks
-  the ranks ``C`` times in the same direction.
-* **V-shaped** (``zb_v``; Qi et al., "Pipeline Parallelism with
-  Controllable Memory", 2024): two chunks, rank ``r`` holds stage ``r``
-  (chunk 0) and stage ``2P - 1 - r`` (chunk 1). The forward goes down
-  ranks 0..P-1 and back up P-1..0, so rank 0 holds both the embedding and
-  the loss, and the hand-off between stages P-1 and P stays on rank P-1.
+virtual stages in pipeline order. Where they sit is the schedule's layout
+(its registry entry, :mod:`hetpipe.pipeline.registry`; the shapes are in
+:mod:`hetpipe.pipeline.layouts`): Megatron's interleaving (chunk ``c`` of
+rank ``r`` is stage ``c * P + r``) for every schedule but ``zb_v``, whose two
+chunks form a V (stages ``r`` and ``2P - 1 - r``).
 
 Every consumer - the schedules and their simulator, the engine's chunks
 (built by the trainer from the plan's per-stage unit ranges), the plan's
 rank layout, the topology's neighbours and routes - asks :func:`virtual_stage`
-or the :class:`Placement` built on it, so a new placement is one edit here.
+or the :class:`Placement` built on it, so a schedule's placement is its
+entry's layout and a new shape is one layout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
-from hetpipe.errors import ConfigError
-
-# Schedules that place their chunks in a V (two chunks per rank).
-V_SHAPED_SCHEDULES = ("zb_v",)
+from hetpipe.pipeline.registry import schedule_spec
 
 
 def virtual_stage(schedule: str, rank: int, chunk: int, num_ranks: int) -> int:
     """The virtual stage that chunk ``chunk`` of pipeline rank ``rank`` holds under ``schedule``."""
-    if schedule in V_SHAPED_SCHEDULES:
-        return rank if chunk == 0 else 2 * num_ranks - 1 - rank
-    return chunk * num_ranks + rank
-
-
-def check_chunks(schedule: str, num_chunks: int) -> None:
-    """Refuse a chunk count ``schedule``'s placement has no room for."""
-    if schedule in V_SHAPED_SCHEDULES and num_chunks != 2:
-        raise ConfigError(f"schedule {schedule} places exactly two chunks per rank (a V), got "
-                          f"num_chunks={num_chunks}; set partition.num_chunks=2")
+    return schedule_spec(schedule).layout.stage(rank, chunk, num_ranks)
 
 
 @dataclass(frozen=True)
@@ -49,12 +33,14 @@ class Placement:
     schedule: str
     num_ranks: int
     num_chunks: int = 1
+    _stage: Callable[[int, int, int], int] = field(init=False, repr=False, compare=False)
     _where: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_chunks(self.schedule, self.num_chunks)
-        where = {virtual_stage(self.schedule, r, c, self.num_ranks): (r, c)
-                 for r in range(self.num_ranks) for c in range(self.num_chunks)}
+        spec = schedule_spec(self.schedule)
+        spec.check_placement(self.num_chunks)
+        object.__setattr__(self, "_stage", spec.layout.stage)  # looked up once: simulators call stage() often
+        where = {self.stage(r, c): (r, c) for r in range(self.num_ranks) for c in range(self.num_chunks)}
         object.__setattr__(self, "_where", where)
 
     @property
@@ -62,7 +48,7 @@ class Placement:
         return self.num_ranks * self.num_chunks
 
     def stage(self, rank: int, chunk: int) -> int:
-        return virtual_stage(self.schedule, rank, chunk, self.num_ranks)
+        return self._stage(rank, chunk, self.num_ranks)
 
     def location(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual stage ``stage``."""

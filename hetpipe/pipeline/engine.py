@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -21,11 +22,54 @@ import torch
 from hetpipe.models import CausalLM
 from hetpipe.models.split_backward import WeightBackward, backward_input, capture_output
 from hetpipe.models.precision import Bf16Weights, compute_context
-from hetpipe.actions import BWD_INPUT, BWD_WEIGHT, Action
+from hetpipe.pipeline.actions import (
+    BWD,
+    BWD_INPUT,
+    BWD_WEIGHT,
+    FWD,
+    RECV_BWD,
+    RECV_FWD,
+    SEND_BWD,
+    SEND_FWD,
+    Action,
+)
 
 if TYPE_CHECKING:
     from hetpipe.comm.channel import Handle
     from hetpipe.comm.stage_link import StageLink
+
+# What a receive carries: activations (fwd) or gradients (bwd), the channels' message kinds.
+_DIRECTION = {RECV_FWD: FWD, RECV_BWD: BWD}
+
+
+@dataclass
+class _Step:
+    """One :meth:`PipelineEngine.run_step`'s state, which its handlers share.
+
+    Tensors are keyed (microbatch, chunk), received ones (kind, microbatch,
+    chunk); ``recvs`` are the step's receives in list order, the first
+    ``next_recv`` of them posted and ``done_recvs`` waited for.
+    """
+
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    recvs: list[Action]
+    inputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    received: dict = field(default_factory=dict)
+    embedded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # first stage, split backward: B's end
+    weight_backwards: dict[tuple[int, int], WeightBackward] = field(default_factory=dict)
+    posted: dict[tuple[str, int, int], tuple[torch.Tensor, "Handle"]] = field(default_factory=dict)
+    sends: list["Handle"] = field(default_factory=list)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The last forward's output or backward's root, held until the next
+    # forward returns or the next backward starts, as the step loop's ``out``
+    # variable held it: a B's graph outlives its W by that long, which the
+    # planner's memory model counts (partitioner/schedule_model.memory_rows)
+    # and tests/test_partitioner_schedules.py measures.
+    out: Optional[torch.Tensor] = None
+    next_recv: int = 0
+    done_recvs: int = 0
+    waited: float = 0.0
 
 
 class PipelineEngine:
@@ -39,7 +83,7 @@ class PipelineEngine:
         self.rank = rank
         self.pipeline_size = pipeline_size
         # Consecutive virtual stages on this rank (the turn of a V placement,
-        # hetpipe.placement; several chunks on one rank) hand their tensors
+        # hetpipe.pipeline.placement; several chunks on one rank) hand their tensors
         # over in-process, with no message. Every stage holds units, so two
         # chunks are consecutive exactly when their unit ranges meet: the
         # chunks say it, whatever placement built them.
@@ -110,108 +154,122 @@ class PipelineEngine:
     def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
         """Forward and backward every microbatch; gradients accumulate in the chunks.
 
-        Returns the sum of the microbatch losses (in microbatch order) on the
-        rank that holds the last virtual stage, else None.
+        Each action goes to its handler in :attr:`_HANDLERS`, keyed by the
+        action constants. Returns the sum of the microbatch losses (in
+        microbatch order) on the rank that holds the last virtual stage, else None.
         """
-        num_micro = len(microbatches)
-        inputs, outputs, received = {}, {}, {}
-        embedded: dict[tuple[int, int], torch.Tensor] = {}  # first stage, split backward: B's end
-        weight_backwards: dict[tuple[int, int], WeightBackward] = {}
-        posted: dict[tuple[str, int, int], tuple[torch.Tensor, Handle]] = {}
-        sends: list[Handle] = []
-        loss_sum: Optional[torch.Tensor] = None
-        losses: dict[int, torch.Tensor] = {}
-        recv_positions = [i for i, a in enumerate(self.actions) if a.kind.startswith("recv")]
-        next_recv = 0
-
-        def post_until(limit: int) -> None:
-            nonlocal next_recv
-            while next_recv < len(recv_positions) and next_recv < limit:
-                a = self.actions[recv_positions[next_recv]]
-                kind = "fwd" if a.kind == "recv_fwd" else "bwd"
-                buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
-                handle = self.links[a.peer].irecv(buf, microbatch=a.microbatch, kind=kind)
-                posted[(kind, a.microbatch, a.chunk)] = (buf, handle)
-                next_recv += 1
-
-        done_recvs = 0
-        waited = 0.0
+        step = _Step(microbatches, [a for a in self.actions if a.kind in (RECV_FWD, RECV_BWD)])
         for action in self.actions:
-            key = (action.microbatch, action.chunk)
-            chunk = self.chunks[action.chunk]
-            if action.kind in ("recv_fwd", "recv_bwd"):
-                post_until(done_recvs + self.recv_ahead)
-                kind = "fwd" if action.kind == "recv_fwd" else "bwd"
-                buf, handle = posted.pop((kind, action.microbatch, action.chunk))
-                wait_start = time.perf_counter()
-                handle.wait()
-                waited += time.perf_counter() - wait_start
-                received[(kind,) + key] = buf
-                done_recvs += 1
-                post_until(done_recvs + self.recv_ahead)
-            elif action.kind == "fwd":
-                tokens, labels = microbatches[action.microbatch]
-                if chunk.is_first:
-                    x = tokens.to(self.device, non_blocking=True)
-                else:
-                    x = received.pop(("fwd",) + key).requires_grad_(True)
-                is_last = chunk.is_last
-                keep_embedding = self.split_backward and chunk.is_first
-                with self._compute(action.chunk), \
-                        capture_output(chunk.embedding) if keep_embedding else nullcontext([]) as captured:
-                    out = chunk(x, labels.to(self.device, non_blocking=True) if is_last else None)
-                if keep_embedding:
-                    embedded[key] = captured[0]
-                inputs[key], outputs[key] = x, out
-                if is_last:
-                    losses[action.microbatch] = out.detach()
-                if action.chunk in self.local_output:  # what a send would carry, without a copy
-                    received[("fwd", action.microbatch, self.local_output[action.chunk])] = out.detach()
-            elif action.kind == "send_fwd":
-                sends.append(self.links[action.peer].isend(
-                    outputs[key].detach(), microbatch=action.microbatch, kind="fwd"))
-            elif action.kind == "bwd":
-                out = outputs.pop(key)
-                if chunk.is_last:
-                    # Same scaling as a single-process step: mean over microbatches.
-                    (out / num_micro).backward()
-                else:
-                    out.backward(received.pop(("bwd",) + key))
-            elif action.kind == BWD_INPUT:
-                out = outputs.pop(key)
-                if chunk.is_last:
-                    out, grad = out / num_micro, None
-                else:
-                    grad = received.pop(("bwd",) + key)
-                chunk_input = embedded.pop(key) if chunk.is_first else inputs[key]
-                grad_input, weight_backwards[key] = backward_input(out, grad, chunk_input)
-                if not chunk.is_first:
-                    chunk_input.grad = grad_input  # what send_bwd sends, as after a whole backward
-            elif action.kind == BWD_WEIGHT:
-                weight_backwards.pop(key).run()
-            elif action.kind == "send_bwd":
-                x = inputs.pop(key)
-                sends.append(self.links[action.peer].isend(
-                    x.grad, microbatch=action.microbatch, kind="bwd"))
-            else:
+            handler = self._HANDLERS.get(action.kind)
+            if handler is None:
                 raise ValueError(f"unknown pipeline action {action}")
-            if action.kind in ("bwd", BWD_INPUT) and chunk.is_first:
-                inputs.pop(key, None)
-            if action.kind in ("bwd", BWD_INPUT) and action.chunk in self.local_input:
-                received[("bwd", action.microbatch, self.local_input[action.chunk])] = inputs.pop(key).grad
+            handler(self, step, action)
         wait_start = time.perf_counter()
-        for handle in sends:
+        for handle in step.sends:
             handle.wait()
-        waited += time.perf_counter() - wait_start
-        self.wait_s = waited
-        if losses:
-            for m in range(num_micro):  # canonical order, whatever the schedule
-                loss_sum = losses[m] if loss_sum is None else loss_sum + losses[m]
+        step.waited += time.perf_counter() - wait_start
+        self.wait_s = step.waited
+        loss_sum: Optional[torch.Tensor] = None
+        if step.losses:
+            for m in range(len(microbatches)):  # canonical order, whatever the schedule
+                loss_sum = step.losses[m] if loss_sum is None else loss_sum + step.losses[m]
         return loss_sum
+
+    def _post_receives(self, step: _Step, limit: int) -> None:
+        """Post the step's next receives, in list order (the channels' FIFO order), up to ``limit`` in all."""
+        while step.next_recv < min(len(step.recvs), limit):
+            a = step.recvs[step.next_recv]
+            kind = _DIRECTION[a.kind]
+            buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+            handle = self.links[a.peer].irecv(buf, microbatch=a.microbatch, kind=kind)
+            step.posted[(kind, a.microbatch, a.chunk)] = (buf, handle)
+            step.next_recv += 1
+
+    def _receive(self, step: _Step, action: Action) -> None:
+        self._post_receives(step, step.done_recvs + self.recv_ahead)
+        kind = _DIRECTION[action.kind]
+        buf, handle = step.posted.pop((kind, action.microbatch, action.chunk))
+        wait_start = time.perf_counter()
+        handle.wait()
+        step.waited += time.perf_counter() - wait_start
+        step.received[(kind, action.microbatch, action.chunk)] = buf
+        step.done_recvs += 1
+        self._post_receives(step, step.done_recvs + self.recv_ahead)
+
+    def _forward(self, step: _Step, action: Action) -> None:
+        key = (action.microbatch, action.chunk)
+        chunk = self.chunks[action.chunk]
+        tokens, labels = step.microbatches[action.microbatch]
+        if chunk.is_first:
+            x = tokens.to(self.device, non_blocking=True)
+        else:
+            x = step.received.pop((FWD,) + key).requires_grad_(True)
+        is_last = chunk.is_last
+        keep_embedding = self.split_backward and chunk.is_first
+        with self._compute(action.chunk), \
+                capture_output(chunk.embedding) if keep_embedding else nullcontext([]) as captured:
+            out = step.out = chunk(x, labels.to(self.device, non_blocking=True) if is_last else None)
+        if keep_embedding:
+            step.embedded[key] = captured[0]
+        step.inputs[key], step.outputs[key] = x, out
+        if is_last:
+            step.losses[action.microbatch] = out.detach()
+        if action.chunk in self.local_output:  # what a send would carry, without a copy
+            step.received[(FWD, action.microbatch, self.local_output[action.chunk])] = out.detach()
+
+    def _send_forward(self, step: _Step, action: Action) -> None:
+        out = step.outputs[(action.microbatch, action.chunk)]
+        step.sends.append(self.links[action.peer].isend(out.detach(), microbatch=action.microbatch, kind=FWD))
+
+    def _backward(self, step: _Step, action: Action) -> None:
+        key = (action.microbatch, action.chunk)
+        out = step.out = step.outputs.pop(key)
+        if self.chunks[action.chunk].is_last:
+            # Same scaling as a single-process step: mean over microbatches.
+            (out / len(step.microbatches)).backward()
+        else:
+            out.backward(step.received.pop((BWD,) + key))
+        self._backward_done(step, action)
+
+    def _backward_input(self, step: _Step, action: Action) -> None:
+        key = (action.microbatch, action.chunk)
+        chunk = self.chunks[action.chunk]
+        out = step.out = step.outputs.pop(key)
+        if chunk.is_last:
+            out, grad = out / len(step.microbatches), None
+            step.out = out
+        else:
+            grad = step.received.pop((BWD,) + key)
+        chunk_input = step.embedded.pop(key) if chunk.is_first else step.inputs[key]
+        grad_input, step.weight_backwards[key] = backward_input(out, grad, chunk_input)
+        if not chunk.is_first:
+            chunk_input.grad = grad_input  # what send_bwd sends, as after a whole backward
+        self._backward_done(step, action)
+
+    def _backward_done(self, step: _Step, action: Action) -> None:
+        """After a backward or B: the first stage's input is no longer needed, and
+        a hand-off to this rank's previous chunk gets the input's gradient in-process."""
+        key = (action.microbatch, action.chunk)
+        if self.chunks[action.chunk].is_first:
+            step.inputs.pop(key, None)
+        if action.chunk in self.local_input:
+            step.received[(BWD, action.microbatch, self.local_input[action.chunk])] = step.inputs.pop(key).grad
+
+    def _backward_weight(self, step: _Step, action: Action) -> None:
+        step.weight_backwards.pop((action.microbatch, action.chunk)).run()
+
+    def _send_backward(self, step: _Step, action: Action) -> None:
+        x = step.inputs.pop((action.microbatch, action.chunk))
+        step.sends.append(self.links[action.peer].isend(x.grad, microbatch=action.microbatch, kind=BWD))
+
+    # The action set (hetpipe.pipeline.actions) -> what runs it; a test keeps it complete.
+    _HANDLERS = {RECV_FWD: _receive, RECV_BWD: _receive, FWD: _forward, SEND_FWD: _send_forward,
+                 BWD: _backward, BWD_INPUT: _backward_input, BWD_WEIGHT: _backward_weight,
+                 SEND_BWD: _send_backward}
 
     def run_forward(self, actions: Sequence[Action],
                     microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[list[torch.Tensor]]:
-        """Run a forward-only action list (:func:`hetpipe.schedules.forward_only`)
+        """Run a forward-only action list (:func:`hetpipe.pipeline.schedules.forward_only`)
         without autograd: no graph is built, and a boundary activation is
         dropped once its send is posted (the send handle keeps it until the
         transfer is done). Receives are posted ahead as in :meth:`run_step`.
@@ -224,7 +282,7 @@ class PipelineEngine:
         posted: dict[tuple[int, int], tuple[torch.Tensor, Handle]] = {}
         sends: list[Handle] = []
         losses: dict[int, torch.Tensor] = {}
-        recvs = [a for a in actions if a.kind == "recv_fwd"]
+        recvs = [a for a in actions if a.kind == RECV_FWD]
         next_recv = done_recvs = 0
 
         def post_until(limit: int) -> None:
@@ -233,20 +291,20 @@ class PipelineEngine:
                 a = recvs[next_recv]
                 buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
                 posted[(a.microbatch, a.chunk)] = (buf, self.links[a.peer].irecv(buf, microbatch=a.microbatch,
-                                                                                 kind="fwd"))
+                                                                                 kind=FWD))
                 next_recv += 1
 
         with torch.no_grad():
             for action in actions:
                 key = (action.microbatch, action.chunk)
-                if action.kind == "recv_fwd":
+                if action.kind == RECV_FWD:
                     post_until(done_recvs + self.recv_ahead)
                     buf, handle = posted.pop(key)
                     handle.wait()
                     received[key] = buf
                     done_recvs += 1
                     post_until(done_recvs + self.recv_ahead)
-                elif action.kind == "fwd":
+                elif action.kind == FWD:
                     tokens, labels = microbatches[action.microbatch]
                     chunk = self.chunks[action.chunk]
                     x = tokens.to(self.device, non_blocking=True) if chunk.is_first else received.pop(key)
@@ -258,9 +316,9 @@ class PipelineEngine:
                         received[(action.microbatch, self.local_output[action.chunk])] = out
                     else:
                         outputs[key] = out
-                elif action.kind == "send_fwd":
+                elif action.kind == SEND_FWD:
                     sends.append(self.links[action.peer].isend(outputs.pop(key), microbatch=action.microbatch,
-                                                               kind="fwd"))
+                                                               kind=FWD))
                 else:
                     raise ValueError(f"pipeline action {action} in a forward-only run")
         for handle in sends:

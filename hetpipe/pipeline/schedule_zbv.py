@@ -2,7 +2,7 @@
 
 ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024, and
 the V schedule of "Zero Bubble Pipeline Parallelism", ICLR 2024) places two
-model chunks on each of ``P`` ranks in a V (:mod:`hetpipe.placement`): the
+model chunks on each of ``P`` ranks in a V (:mod:`hetpipe.pipeline.placement`): the
 forward runs down ranks 0..P-1 on chunk 0 and back up on chunk 1, so rank 0
 holds the embedding and the loss and rank P-1 hands chunk 0's output to its
 own chunk 1. Backwards are split into B (input gradient) and W (weight
@@ -21,7 +21,7 @@ fill the V; with fewer, the missing microbatches are left out. Ws run in
 microbatch order on each chunk, so weight gradients accumulate as under
 1F1B and the two are bitwise equal (tests/test_zero_bubble.py).
 
-Bubble and memory, in :func:`hetpipe.schedule_check.simulate`'s unit costs
+Bubble and memory, in :func:`hetpipe.pipeline.schedule_check.simulate`'s unit costs
 (a chunk's F = B = W = 1, a chunk being half of a 1F1B stage, so a rank's
 work is ``6M``): with ``M >= 2P - 1`` the makespan is ``6M + P - 1``, a
 bubble of ``P - 1`` chunk forwards. That is the least any schedule can have
@@ -34,7 +34,7 @@ most and leave a larger bubble (tests/test_schedules.py asserts both).
 """
 from __future__ import annotations
 
-from hetpipe.actions import BWD_INPUT, BWD_WEIGHT, FWD, Compute
+from hetpipe.pipeline.actions import BWD_INPUT, BWD_WEIGHT, FWD, Compute
 
 F0, F1, B0, B1, W0, W1 = ((kind, chunk) for kind in (FWD, BWD_INPUT, BWD_WEIGHT) for chunk in (0, 1))
 
@@ -67,3 +67,15 @@ def v_orders(num_ranks: int, num_microbatches: int) -> list[list[Compute]]:
         run(*[W1] * (slots - done[W1]), *[W0] * (slots - done[W0]))
         orders.append([unit for unit in order if unit[1] < M])
     return orders
+
+
+def zb_v_orders(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[list[Compute]]:
+    """:func:`v_orders` as the registry calls an order (``num_chunks``: the V's two, checked there)."""
+    return v_orders(num_ranks, num_microbatches)
+
+
+def zb_v_forwards(num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[list[Compute]]:
+    """Validation's forwards in a V: ZB-V's own forwards, in its order, so a
+    rank only ever waits for an earlier stage and keeps nothing it has sent
+    on (rank P-1 holds its chunk-0 output until its chunk-1 forward, the next)."""
+    return [[unit for unit in order if unit[0] == FWD] for order in v_orders(num_ranks, num_microbatches)]
