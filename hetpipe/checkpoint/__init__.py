@@ -13,6 +13,24 @@ tensors. Nothing is pickled. The directory layout is described in
 The trainer uses :func:`restore` before its step loop and a
 :class:`CheckpointSaver` (asynchronous saves) when :func:`should_save` says
 so; :func:`save_checkpoint` is the synchronous path for scripts and tests.
+
+Where things live, along the two paths a checkpoint takes:
+
+* its format: ``layout`` (where checkpoints live, how one becomes visible),
+  ``manifest`` (what a checkpoint claims; :class:`Checkpoint` opens one) with
+  ``consistency`` (every claim checked) and ``digest`` (the checksums),
+  ``names`` (plan-neutral tensor names), ``regions`` (a tensor's pieces and
+  which part of the whole each is), ``st_io`` (safetensors), ``rng``, ``errors``;
+* saving, in order: ``saver`` (the trainer's object) -> ``snapshot`` (the
+  host copy, in the step) -> ``writes`` (who writes which piece) -> ``board``
+  (ranks meet in the store) -> ``commit`` (one manifest, checked, into
+  place); ``sync_save`` runs the same in one call;
+* loading, in order: ``resume`` (checkpoint, HF weights or fresh) -> ``load``
+  (this rank's regions under any plan) -> ``manifest.Checkpoint.plan/read``
+  -> ``assemble`` (a region from the pieces that cover it); ``tp_slices``
+  (a TP rank's slice of a whole tensor), ``compat`` (do the weights fit this
+  model), ``hf_import`` (seeding from a Hugging Face directory);
+* ``settings``: the ``checkpoint`` config group.
 """
 from hetpipe.checkpoint.settings import CheckpointConfig, resolve_save_dir, should_save
 from hetpipe.checkpoint.hf_import import load_hf_weights

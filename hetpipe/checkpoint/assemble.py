@@ -23,21 +23,8 @@ import numpy as np
 import torch
 
 from hetpipe.checkpoint.errors import CheckpointError
-from hetpipe.checkpoint.regions import Region, indices
+from hetpipe.checkpoint.regions import Piece, Region, TensorEntry, indices
 from hetpipe.checkpoint.st_io import SafetensorsReader
-
-
-@dataclass(frozen=True)
-class Piece:
-    file: str
-    region: Region
-
-
-@dataclass
-class TensorEntry:
-    shape: tuple[int, ...]
-    dtype: str
-    pieces: list[Piece]
 
 
 @dataclass

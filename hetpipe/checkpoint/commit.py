@@ -15,13 +15,13 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from hetpipe.checkpoint.assemble import Piece, TensorEntry, plan_route
+from hetpipe.checkpoint.assemble import plan_route
 from hetpipe.checkpoint.digest import SELF_CHECKSUM, manifest_digest
 from hetpipe.checkpoint.errors import CheckpointError
 from hetpipe.checkpoint.layout import MANIFEST, TRAINER_STATE, commit, fsync_path
 from hetpipe.checkpoint.manifest import FORMAT, VERSION, WHOLE
 from hetpipe.checkpoint.names import whole_model_shapes
-from hetpipe.checkpoint.regions import Region
+from hetpipe.checkpoint.regions import Piece, Region, TensorEntry
 from hetpipe.models import ModelConfig
 from hetpipe.partitioner.plan_data import Plan
 

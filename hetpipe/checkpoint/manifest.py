@@ -19,12 +19,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from hetpipe.checkpoint.assemble import Piece, Readers, Route, TensorEntry, plan_route, read_route
+from hetpipe.checkpoint.assemble import Readers, Route, plan_route, read_route
 from hetpipe.checkpoint.consistency import check_manifest
 from hetpipe.checkpoint.digest import SELF_CHECKSUM, file_record, manifest_digest, sha256_file
 from hetpipe.checkpoint.errors import CheckpointError
 from hetpipe.checkpoint.layout import MANIFEST
-from hetpipe.checkpoint.regions import Region
+from hetpipe.checkpoint.regions import Piece, Region, TensorEntry
 from hetpipe.checkpoint.st_io import SafetensorsReader
 
 FORMAT = "hetpipe-checkpoint"

@@ -133,3 +133,18 @@ def whole_shape(param: torch.Tensor) -> tuple[int, ...]:
     if shard is not None and shard.rule is not None and shard.tp.size > 1:
         shape[shard.rule.dim] = shard.rule.full_size
     return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One saved piece of a tensor: the file that holds it and which part of the whole it is."""
+    file: str
+    region: Region
+
+
+@dataclass
+class TensorEntry:
+    """A checkpoint tensor as its manifest records it: the whole's shape and dtype, and its pieces."""
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: list[Piece]
