@@ -151,7 +151,8 @@ class OptimizerConfig:
     lr_decay_iters: Optional[int] = None
     # cosine | linear | constant (Megatron's lr_decay_style)
     lr_decay_style: str = "cosine"
-    # Applied to matrices only; norms, biases and embeddings' peers excluded as in Megatron.
+    # Decays every parameter with two or more dims - the linear layers' weights and the
+    # embedding (the head too when untied) - as Megatron does; norms and biases are not decayed.
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
