@@ -99,7 +99,9 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     # first), within rounding: on one pipeline rank zb_v's step summed to 1
     # ulp below 1F1B's equal one and auto put both chunks on that rank.
     fastest = min(s.step_s for s in found)
-    solution = next(s for s in found if s.step_s <= fastest * (1 + 1e-9))
+    # abs(): a noisy measured profile can price a step below zero, where fastest * (1 + 1e-9)
+    # lies below fastest and nothing would be chosen.
+    solution = next(s for s in found if s.step_s <= fastest + abs(fastest) * 1e-9)
     solution.schedule_options = options
     solution.candidates_solved, solution.candidates_total = solved, total
     return solution
