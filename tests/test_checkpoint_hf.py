@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from conftest import run_cli, run_pretrain
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_hf_weights, restore, save_checkpoint
 from hetpipe.pretrain_config import OptimizerConfig
 from hetpipe.errors import ConfigError
@@ -214,3 +214,21 @@ def test_hf_import_refuses_tensors_it_cannot_place(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot place: model\.layers\.1\.mlp\.extra_proj\.weight$"):
         load_hf_weights(hf_dir, [build_model(LLAMA, seed=0)], LLAMA)
 
+
+def test_pretrain_reads_the_model_from_the_hf_directory(tmp_path):
+    """`checkpoint.load_hf=DIR` alone names the model; a preset given too must agree."""
+    hf_dir, _ = _hf_dir(tmp_path, LLAMA)
+    args = [f"checkpoint.load_hf={hf_dir}", "train.train_iters=1", "train.seq_length=32",
+            "train.micro_batch_size=2", "train.global_batch_size=2", "logging.progress=false"]
+    proc, rows = run_pretrain(tmp_path / "from_hf", args)
+    assert "initialised weights from Hugging Face model" in proc.stdout and len(rows) == 1
+    # A preset that agrees (tiny_llama at this width) runs too; one that does
+    # not stops before training, naming the first field that differs.
+    run_pretrain(tmp_path / "agreeing", ["+model=tiny_llama", "model.hidden_size=64",
+                                         "model.ffn_hidden_size=160", *args])
+    proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", *args,
+                    f"hydra.run.dir={tmp_path / 'differing'}"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"hetpipe: error: model=tiny_llama differs from checkpoint.load_hf={hf_dir}'s "
+                                   "config.json: model.hidden_size=64 there but 128 here "
+                                   "(drop +model to take the HF config)")
