@@ -12,8 +12,9 @@ dimension. Both sides use the same rotate-half RoPE layout, so no permutation
 of the q/k rows is needed. Conversion is exact: export then import returns the
 same tensors bit for bit. Import takes every tensor of the checkpoint or
 refuses it, naming those it cannot place (an o_proj bias that is not zero,
-an unknown tensor), so nothing is dropped silently. Of the RoPE variants, plain RoPE and the "llama3"
-scaling of Llama 3.1 / 3.2 convert; any other rope_type is refused.
+an unknown tensor), so nothing is dropped silently. Of the RoPE variants,
+plain RoPE and the "llama3" scaling of Llama 3.1 / 3.2 convert; any other
+rope_type is refused.
 """
 from __future__ import annotations
 
