@@ -232,3 +232,16 @@ def test_pretrain_reads_the_model_from_the_hf_directory(tmp_path):
     assert proc.stderr.strip() == (f"hetpipe: error: model=tiny_llama differs from checkpoint.load_hf={hf_dir}'s "
                                    "config.json: model.hidden_size=64 there but 128 here "
                                    "(drop +model to take the HF config)")
+
+
+def test_pretrain_stops_in_one_line_on_a_tensor_it_cannot_place(tmp_path):
+    hf_dir, _ = _hf_dir(tmp_path, LLAMA)
+    _add_tensor(hf_dir, "model.layers.3.self_attn.o_proj.bias", torch.full((64,), 0.1))
+    proc = run_cli(["-m", "hetpipe.pretrain", f"checkpoint.load_hf={hf_dir}", "train.train_iters=1",
+                    "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2",
+                    f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("hetpipe: error: HF checkpoint has tensors hetpipe cannot place: "
+                                   "model.layers.3.self_attn.o_proj.bias; hetpipe's attention output projection "
+                                   "has no bias, so only all-zero o_proj biases import")
+    assert "initialised weights" not in proc.stdout
