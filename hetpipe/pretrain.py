@@ -1,7 +1,8 @@
 """``python -m hetpipe.pretrain +model=NAME [overrides]``: the pretraining entry point.
 
-Hydra composes ``configs/pretrain.yaml`` with the chosen model preset and any
-overrides, checks them against the structured schemas in ``hetpipe.pretrain_config``,
+Hydra composes ``configs/pretrain.yaml`` with the chosen model preset (or
+none: ``checkpoint.load_hf=DIR`` alone takes the model from DIR's
+config.json) and any overrides, checks them against the structured schemas in ``hetpipe.pretrain_config``,
 and hands the result to the trainer. ``--cfg job`` prints the composed config
 without building anything; ``-m`` sweeps (hydra multirun). Problems with the
 input end in one ``hetpipe: error:`` line and exit status 2.

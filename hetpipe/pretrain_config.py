@@ -8,6 +8,7 @@ ranges and cross-field rules when the composed config is turned into objects
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -320,17 +321,52 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("hetpipe.model_name"):
         # Names run directories; tolerates a config without a model so that
         # hydra can still report that problem cleanly.
-        OmegaConf.register_new_resolver(
-            "hetpipe.model_name",
-            lambda *, _root_: "no-model" if OmegaConf.is_missing(_root_, "model") else _root_.model.name)
+        OmegaConf.register_new_resolver("hetpipe.model_name", _model_name)
+
+
+def _model_name(*, _root_: DictConfig) -> str:
+    """The model's name for the run directory; without a preset, the name of
+    the checkpoint.load_hf directory the model will be read from."""
+    if not OmegaConf.is_missing(_root_, "model"):
+        return _root_.model.name
+    load_hf = OmegaConf.select(_root_, "checkpoint.load_hf", default=None)
+    return Path(load_hf).name if load_hf else "no-model"
+
+
+def _model_from_hf(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with its model read from checkpoint.load_hf's config.json, where
+    one is set: the HF directory names the model, so a preset is optional and,
+    when given too, must describe the same model (first differing field named)."""
+    load_hf = OmegaConf.select(cfg, "checkpoint.load_hf", default=None)
+    if load_hf is None:
+        return cfg
+    # torch and transformers: imported only here, for a run that reads HF weights.
+    from hetpipe.checkpoint.compat import config_differences
+    from hetpipe.checkpoint.hf_import import read_hf_config
+
+    hf_model = read_hf_config(Path(load_hf))
+    if OmegaConf.is_missing(cfg, "model"):
+        return OmegaConf.merge(cfg, {"model": hf_model.to_dict()})
+    try:
+        given = OmegaConf.to_object(cfg.model)
+    except Exception as exc:  # noqa: BLE001 - OmegaConf wraps errors raised in __post_init__
+        raise config_error_from(exc) from None
+    differences = config_differences(hf_model.to_dict(), given)
+    if differences:
+        raise ConfigError(f"model={given.name} differs from checkpoint.load_hf={load_hf}'s config.json: "
+                          f"{differences[0]} (drop +model to take the HF config)")
+    return cfg
 
 
 def resolve(cfg: DictConfig | dict[str, Any], schema: type = PretrainConfig) -> Any:
     """Turn a composed config into checked ``schema`` objects, or raise ConfigError."""
     if isinstance(cfg, dict):
         cfg = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    if schema is PretrainConfig:
+        cfg = _model_from_hf(cfg)
     if OmegaConf.is_missing(cfg, "model"):
-        raise ConfigError(f"no model chosen: add +model=NAME (one of {', '.join(preset_names())})")
+        raise ConfigError(f"no model chosen: add +model=NAME (one of {', '.join(preset_names())}) "
+                          "or checkpoint.load_hf=DIR")
     try:
         return OmegaConf.to_object(cfg)
     except Exception as exc:  # noqa: BLE001 - OmegaConf wraps errors raised in __post_init__

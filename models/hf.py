@@ -10,8 +10,11 @@ layers fuse q/k/v and gate/up into single matrices;
 HF keeps them apart, so the converter concatenates and splits along the output
 dimension. Both sides use the same rotate-half RoPE layout, so no permutation
 of the q/k rows is needed. Conversion is exact: export then import returns the
-same tensors bit for bit. Of the RoPE variants, plain RoPE and the "llama3"
-scaling of Llama 3.1 / 3.2 convert; any other rope_type is refused.
+same tensors bit for bit. Import takes every tensor of the checkpoint or
+refuses it, naming those it cannot place (an o_proj bias that is not zero,
+an unknown tensor), so nothing is dropped silently. Of the RoPE variants,
+plain RoPE and the "llama3" scaling of Llama 3.1 / 3.2 convert; any other
+rope_type is refused.
 """
 from __future__ import annotations
 
@@ -160,15 +163,20 @@ def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dic
                 continue
             for part, t in zip(hf, state[src + ours].split(_split_sizes(cfg, len(hf)), dim=0)):
                 out[dst + part] = t.clone()
+    for key in _zero_out_bias_keys(cfg):
+        out[key] = state["embedding.weight"].new_zeros(cfg.hidden_size)
     return out
 
 
 def from_hf_state_dict(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A transformers state dict of ``cfg``'s family -> our unit-keyed state dict."""
+    consumed: set[str] = set()
+
     def take(key: str) -> torch.Tensor:
         if key not in hf_state:
             raise ConfigError(f"HF checkpoint lacks tensor {key!r}; is it a {cfg.family} model "
                               f"with {cfg.num_layers} layers?")
+        consumed.add(key)
         return hf_state[key]
 
     out = {"embedding.weight": take("model.embed_tokens.weight"),
@@ -181,4 +189,53 @@ def from_hf_state_dict(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor]) -
         for ours, hf in keys:
             parts = [take(src + p) for p in hf]
             out[dst + ours] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    consumed.update(key for key in _zero_out_bias_keys(cfg) if key in hf_state and _is_zero(hf_state[key]))
+    if _is_tied_copy(cfg, hf_state, out["embedding.weight"]):
+        consumed.add("lm_head.weight")
+    _refuse_unplaced(hf_state, consumed)
     return out
+
+
+# -- tensors no layer of ours holds ------------------------------------------------------
+# Buffers some older HF checkpoints saved beside the weights; transformers
+# ignores them on load and recomputes them from the config, as hetpipe does
+# (layers.model_rope_frequencies), so they carry nothing to drop.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+# How many of the tensors an import cannot place its one-line error names.
+_NAMED = 4
+
+
+def _zero_out_bias_keys(cfg: ModelConfig) -> list[str]:
+    """HF's o_proj biases that ``cfg``'s model computes as zeros: those its
+    HF form has although our output projection has no bias
+    (FamilySpec.hf_out_bias_with_qkv)."""
+    if not (cfg.add_qkv_bias and spec_of(cfg).hf_out_bias_with_qkv):
+        return []
+    return [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.num_layers)]
+
+
+def _is_zero(t: torch.Tensor) -> bool:
+    # A meta tensor belongs to a unit another rank holds; that rank checks it.
+    return t.is_meta or not bool(t.any())
+
+
+def _is_tied_copy(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], embedding: torch.Tensor) -> bool:
+    """Whether the checkpoint's lm_head.weight is the tied embedding written
+    out again (a transformers state dict holds both names): nothing to place."""
+    if not cfg.share_embeddings_and_output_weights or "lm_head.weight" not in hf_state:
+        return False
+    head = hf_state["lm_head.weight"]
+    return head.is_meta or embedding.is_meta or torch.equal(head, embedding)
+
+
+def _refuse_unplaced(hf_state: Mapping[str, torch.Tensor], consumed: set[str]) -> None:
+    """One ConfigError naming the HF tensors the conversion did not take:
+    loading without them would say "initialised from the checkpoint" while
+    computing another function."""
+    left = [key for key in hf_state if key not in consumed and not key.endswith(_DERIVED_SUFFIXES)]
+    if not left:
+        return
+    more = f" and {len(left) - _NAMED} more" if len(left) > _NAMED else ""
+    why = ("; hetpipe's attention output projection has no bias, so only all-zero o_proj biases import"
+           if any(key.endswith("o_proj.bias") for key in left) else "")
+    raise ConfigError(f"HF checkpoint has tensors hetpipe cannot place: {', '.join(left[:_NAMED])}{more}{why}")

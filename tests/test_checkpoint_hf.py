@@ -6,10 +6,12 @@ our logits; an HF directory (single file or sharded) seeds any split of a run.
 """
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from conftest import run_cli, run_pretrain
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_hf_weights, restore, save_checkpoint
 from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.errors import ConfigError
 from hetpipe.export import export_hf
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.hf import to_hf_config
@@ -96,15 +98,19 @@ def test_export_qwen3_loads_in_transformers_with_our_logits(tmp_path):
         torch.testing.assert_close(hf(TOKENS).logits, _our_logits(chunks), rtol=0, atol=1e-5)
 
 
-def _hf_dir(tmp_path, cfg, **save_kwargs):
-    """A transformers model with random, non-trivial weights saved as a HF directory."""
+def _hf_dir(tmp_path, cfg, zero=(), **save_kwargs):
+    """A transformers model with random, non-trivial weights saved as a HF
+    directory; parameters whose names end with one of ``zero`` stay zero."""
     torch.manual_seed(0)
     hf_cfg = to_hf_config(cfg)
     hf_cfg._attn_implementation = "eager"
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            # HF initialises biases to zero, which would hide a dropped one.
+            if name.endswith(tuple(zero)):
+                p.zero_()
+            elif name.endswith("norm.weight") or name.endswith(".bias"):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
     out = tmp_path / "hf_model"
     hf.save_pretrained(out, **save_kwargs)
@@ -152,3 +158,90 @@ def test_export_refuses_a_directory_holding_other_files(tmp_path):
     (out / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match=f"export directory {out} already holds model-00001-of-00002"):
         export_hf(tmp_path / "ckpt", out)
+
+
+# Llama with HF's attention_bias: biases on q, k, v and o_proj.
+LLAMA_BIASED = model_preset("tiny_llama", hidden_size=64, ffn_hidden_size=160, add_qkv_bias=True)
+
+
+def _add_tensor(hf_dir, key, tensor):
+    """Rewrite the directory's single safetensors file with one more tensor."""
+    path = hf_dir / "model.safetensors"
+    state = load_file(path)
+    state[key] = tensor
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def test_hf_round_trip_with_nonzero_biases_carries_every_tensor(tmp_path):
+    """HF (non-zero q/k/v biases, zero o_proj ones) -> hetpipe -> checkpoint ->
+    export -> transformers: same logits, every tensor equal, nothing missing
+    or initialised by transformers."""
+    for cfg, name, zero in ((LLAMA_BIASED, "llama", ("o_proj.bias",)), (QWEN2, "qwen2", ())):
+        hf_dir, hf = _hf_dir(tmp_path / name, cfg, zero=zero)
+        assert bool(hf.model.layers[0].self_attn.q_proj.bias.detach().any())
+        chunks = [build_model(cfg, seed=5, units=r) for r in SPLIT]
+        for chunk in chunks:
+            load_hf_weights(hf_dir, [chunk], cfg)
+        with torch.no_grad():
+            expected = hf(TOKENS).logits
+        torch.testing.assert_close(_our_logits(chunks), expected, rtol=0, atol=1e-5)
+        optimizers = [build_optimizer([c], OptimizerConfig(), CPU) for c in chunks]
+        for rank in (1, 0):
+            save_checkpoint(CheckpointConfig(save_dir=str(tmp_path / name / "ckpt")), "run", 1, [chunks[rank]],
+                            optimizers[rank], {"consumed_samples": 0}, rank, 2, cfg, barrier=lambda: None)
+        out = export_hf(tmp_path / name / "ckpt", tmp_path / name / "exported")
+        back, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out, attn_implementation="eager", output_loading_info=True)
+        assert not any(info.values()), info  # no missing, unexpected or mismatched key
+        with torch.no_grad():
+            torch.testing.assert_close(back.eval()(TOKENS).logits, expected, rtol=0, atol=1e-5)
+        written, original = back.state_dict(), hf.state_dict()
+        assert sorted(written) == sorted(original)
+        for key, tensor in original.items():
+            assert torch.equal(written[key], tensor), key
+
+
+def test_hf_import_refuses_tensors_it_cannot_place(tmp_path):
+    # Non-zero o_proj biases: hetpipe's output projection has none.
+    hf_dir, _ = _hf_dir(tmp_path / "biased", LLAMA_BIASED)
+    with pytest.raises(ConfigError, match=r"HF checkpoint has tensors hetpipe cannot place: "
+                                          r"model\.layers\.0\.self_attn\.o_proj\.bias, .*o_proj biases") as info:
+        load_hf_weights(hf_dir, [build_model(LLAMA_BIASED, seed=0)], LLAMA_BIASED)
+    assert "\n" not in str(info.value)
+    # A tensor of no known layer.
+    hf_dir, _ = _hf_dir(tmp_path / "extra", LLAMA)
+    _add_tensor(hf_dir, "model.layers.1.mlp.extra_proj.weight", torch.ones(4))
+    with pytest.raises(ConfigError, match=r"cannot place: model\.layers\.1\.mlp\.extra_proj\.weight$"):
+        load_hf_weights(hf_dir, [build_model(LLAMA, seed=0)], LLAMA)
+
+
+def test_pretrain_reads_the_model_from_the_hf_directory(tmp_path):
+    """`checkpoint.load_hf=DIR` alone names the model; a preset given too must agree."""
+    hf_dir, _ = _hf_dir(tmp_path, LLAMA)
+    args = [f"checkpoint.load_hf={hf_dir}", "train.train_iters=1", "train.seq_length=32",
+            "train.micro_batch_size=2", "train.global_batch_size=2", "logging.progress=false"]
+    proc, rows = run_pretrain(tmp_path / "from_hf", args)
+    assert "initialised weights from Hugging Face model" in proc.stdout and len(rows) == 1
+    # A preset that agrees (tiny_llama at this width) runs too; one that does
+    # not stops before training, naming the first field that differs.
+    run_pretrain(tmp_path / "agreeing", ["+model=tiny_llama", "model.hidden_size=64",
+                                         "model.ffn_hidden_size=160", *args])
+    proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", *args,
+                    f"hydra.run.dir={tmp_path / 'differing'}"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"hetpipe: error: model=tiny_llama differs from checkpoint.load_hf={hf_dir}'s "
+                                   "config.json: model.hidden_size=64 there but 128 here "
+                                   "(drop +model to take the HF config)")
+
+
+def test_pretrain_stops_in_one_line_on_a_tensor_it_cannot_place(tmp_path):
+    hf_dir, _ = _hf_dir(tmp_path, LLAMA)
+    _add_tensor(hf_dir, "model.layers.3.self_attn.o_proj.bias", torch.full((64,), 0.1))
+    proc = run_cli(["-m", "hetpipe.pretrain", f"checkpoint.load_hf={hf_dir}", "train.train_iters=1",
+                    "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2",
+                    f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("hetpipe: error: HF checkpoint has tensors hetpipe cannot place: "
+                                   "model.layers.3.self_attn.o_proj.bias; hetpipe's attention output projection "
+                                   "has no bias, so only all-zero o_proj biases import")
+    assert "initialised weights" not in proc.stdout

@@ -247,3 +247,40 @@ def test_an_unknown_hf_model_type_names_the_supported_ones():
     hf_cfg.model_type = "gemma"
     with pytest.raises(ConfigError, match="HF model_type 'gemma' is not supported \\(llama, qwen2 or qwen3\\)"):
         from_hf_config(hf_cfg)
+
+
+def test_import_places_every_tensor_or_names_the_rest():
+    cfg = CASES["llama_gqa"]
+    state = to_hf_state_dict(cfg, build_model(cfg, seed=0).state_dict())
+    # A RoPE buffer older checkpoints saved: recomputed from the config, nothing is lost.
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = rope_inverse_frequencies(cfg.head_dim, cfg.rotary_base)
+    from_hf_state_dict(cfg, state)
+    state["model.layers.2.self_attn.sinks"] = torch.ones(4)
+    with pytest.raises(ConfigError, match=r"^HF checkpoint has tensors hetpipe cannot place: "
+                                          r"model\.layers\.2\.self_attn\.sinks$"):
+        from_hf_state_dict(cfg, state)
+
+
+def test_llama_attention_bias_exports_zero_o_proj_biases_and_imports_only_zero_ones():
+    # HF's attention_bias biases o_proj too; hetpipe's q/k/v-only biases are
+    # exactly that with o_proj's zero, written out so transformers initialises nothing.
+    cfg = dataclasses.replace(CASES["llama_gqa"], add_qkv_bias=True)
+    state = to_hf_state_dict(cfg, build_model(cfg, seed=0).state_dict())
+    o_bias = [key for key in state if key.endswith("o_proj.bias")]
+    assert len(o_bias) == cfg.num_layers and not any(state[key].any() for key in o_bias)
+    assert sorted(state) == sorted(transformers.AutoModelForCausalLM.from_config(to_hf_config(cfg)).state_dict())
+    from_hf_state_dict(cfg, state)
+    state[o_bias[1]] = torch.full_like(state[o_bias[1]], 0.5)
+    with pytest.raises(ConfigError, match=r"cannot place: model\.layers\.1\.self_attn\.o_proj\.bias; "
+                                          r"hetpipe's attention output projection has no bias"):
+        from_hf_state_dict(cfg, state)
+
+
+def test_tied_import_takes_lm_head_only_as_a_copy_of_the_embedding():
+    cfg = CASES["llama_tied_mha"]
+    state = to_hf_state_dict(cfg, build_model(cfg, seed=0).state_dict())
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # as transformers' state_dict() has it
+    from_hf_state_dict(cfg, state)
+    state["lm_head.weight"][0, 0] += 1.0  # a head of its own: tying would drop it
+    with pytest.raises(ConfigError, match=r"cannot place: lm_head\.weight$"):
+        from_hf_state_dict(cfg, state)

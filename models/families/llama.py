@@ -1,5 +1,7 @@
 """LLaMA-2/3 (``LlamaForCausalLM``): the plain dense decoder; q/k/v biases
-optional (HF's attention_bias), head size free (HF's head_dim)."""
+optional (HF's attention_bias, which biases o_proj too: only zero o_proj
+biases import, see FamilySpec.hf_out_bias_with_qkv), head size free (HF's
+head_dim)."""
 from hetpipe.models.families.spec import FamilySpec, HFNames
 
 
@@ -15,4 +17,5 @@ SPEC = FamilySpec(
     # Meta-Llama-3-8B's config.json (configs/model/llama8b.yaml is the whole preset).
     config_defaults={"rotary_base": 500000.0, "norm_epsilon": 1e-5, "add_qkv_bias": False},
     hf_config_extra=_hf_extra,
+    hf_out_bias_with_qkv=True,
 )

@@ -78,6 +78,11 @@ class FamilySpec:
     # Per-layer tensors beyond the dense decoder's (models/hf.py's table),
     # one to one: (our name under layers.<i>., HF's under model.layers.<i>.).
     hf_layer_keys: tuple[tuple[str, str], ...] = ()
+    # HF's attention_bias puts a bias on o_proj as well as on q/k/v (Llama);
+    # hetpipe's output projection has none, so with q/k/v biases an export
+    # writes zero o_proj biases (exactly our function, and nothing for
+    # transformers to initialise) and an import accepts only zero ones.
+    hf_out_bias_with_qkv: bool = False
 
     def __post_init__(self) -> None:
         if self.qkv_bias not in QKV_BIAS_RULES:
