@@ -46,6 +46,7 @@ def test_tiny_llama_loss_falls_through_the_cli(tmp_path, corpus_prefix):
     assert last < first - 2.0, (first, last)
     assert "step     60/60 | loss" in proc.stdout
     assert (run_dir / "config.yaml").is_file()
+    assert not (run_dir / "checkpoints").exists()  # no save_dir, no interval: no multi-GB surprise
 
 
 def _cfg(data_path, **train):
@@ -68,6 +69,29 @@ def test_same_seed_same_losses_and_accumulation_matches_one_big_batch(tmp_path, 
     assert accumulated == pytest.approx(single, rel=1e-5)
     other_seed = train(_cfg(corpus_prefix, seed=7), tmp_path / "e")
     assert other_seed != a
+
+
+CLI_RUN = ["+model=tiny_llama", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+           "logging.progress=false"]
+
+
+def _iter_dirs(ckpt):
+    return sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_"))
+
+
+def test_a_run_with_a_save_dir_ends_with_a_checkpoint(tmp_path, corpus_prefix):
+    # No interval: the last step is saved because a save_dir was given (Megatron's end-of-run save).
+    ckpt = tmp_path / "ckpt"
+    proc = run_cli(["-m", "hetpipe.pretrain", *CLI_RUN, f"data.path={corpus_prefix}", "train.train_iters=3",
+                    f"checkpoint.save_dir={ckpt}", f"hydra.run.dir={tmp_path / 'a'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _iter_dirs(ckpt) == ["iter_0000003"] and proc.stdout.count("saved checkpoint") == 1
+    # An interval that lands on the last step saves it once.
+    ckpt = tmp_path / "ckpt2"
+    proc = run_cli(["-m", "hetpipe.pretrain", *CLI_RUN, f"data.path={corpus_prefix}", "train.train_iters=4",
+                    f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2", f"hydra.run.dir={tmp_path / 'b'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _iter_dirs(ckpt) == ["iter_0000002", "iter_0000004"] and proc.stdout.count("saved checkpoint") == 2
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
