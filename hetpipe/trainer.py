@@ -63,18 +63,52 @@ from hetpipe.topology import Topology, check_group_vendor
 
 
 def lr_at(step: int, opt: OptimizerConfig, train_iters: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay."""
+    """Learning rate for optimizer step ``step`` (0-based, i.e. the steps already
+    taken): linear warmup, then decay to ``min_lr``.
+
+    Megatron-LM's OptimizerParamScheduler.get_lr (megatron/core/optimizer_param_scheduler.py),
+    with its num_steps = ``step``: warmup while ``step <= W`` (``lr_warmup_iters``), from
+    ``lr_warmup_init`` at step 0 to ``lr`` at step W; then, over D = ``lr_decay_iters``
+    (train_iters when unset), ratio (step - W) / (D - W) through the cosine or linear
+    coefficient, and ``min_lr`` past D. ``lr_warmup_style=one_ahead`` is hetpipe's
+    earlier warmup, one step ahead (its first step at (lr - init) / W above init).
+    """
     warmup = opt.lr_warmup_iters
-    if step < warmup:
-        return opt.lr * (step + 1) / warmup
+    if warmup > 0 and step <= warmup:
+        return _warmup_lr(step, opt)
     if opt.lr_decay_style == "constant":
         return opt.lr
     decay_iters = opt.lr_decay_iters or train_iters
-    if step >= decay_iters:
+    if step > decay_iters:  # also every step after warmup when D <= W (a run shorter than its warmup)
         return opt.min_lr
-    ratio = (step - warmup) / max(1, decay_iters - warmup)
+    ratio = (step - warmup) / (decay_iters - warmup)
     coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if opt.lr_decay_style == "cosine" else 1.0 - ratio
     return opt.min_lr + coeff * (opt.lr - opt.min_lr)
+
+
+def _warmup_lr(step: int, opt: OptimizerConfig) -> float:
+    """Warmup's line from ``lr_warmup_init`` to ``lr``; ``step`` <= ``lr_warmup_iters``."""
+    done = step if opt.lr_warmup_style == "megatron" else min(step + 1, opt.lr_warmup_iters)
+    return opt.lr_warmup_init + (opt.lr - opt.lr_warmup_init) * done / opt.lr_warmup_iters
+
+
+def _trainer_state(opt: OptimizerConfig) -> dict[str, Any]:
+    """What the trainer keeps in a checkpoint's trainer_state.json ("extra"): the warmup
+    convention its steps followed. A checkpoint without it predates Megatron's
+    convention: it was written by a run that warmed up one step ahead."""
+    return {"lr_warmup_style": opt.lr_warmup_style}
+
+
+def _note_warmup_change(saved: Any, opt: OptimizerConfig, rank: int) -> None:
+    """One line when the resumed run's warmup convention is not the checkpoint's."""
+    before = saved.get("lr_warmup_style", "one_ahead")
+    if rank != 0 or before == opt.lr_warmup_style:
+        return
+    old = "predates hetpipe's switch to Megatron's warmup (it warmed up one step ahead)" \
+        if "lr_warmup_style" not in saved else f"was written with optimizer.lr_warmup_style={before}"
+    print(f"hetpipe: note: the warmup convention changed: this checkpoint {old}; the run goes on with "
+          f"optimizer.lr_warmup_style={opt.lr_warmup_style} (steps past optimizer.lr_warmup_iters are "
+          f"unaffected; optimizer.lr_warmup_style={before} keeps the old one)", flush=True)
 
 
 def seed_everything(seed: int) -> None:
@@ -241,7 +275,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     """Set up this rank, resume, then the steps: train, log, validate, save."""
     r = _set_up(cfg, plan, topo, run_dir, progress)
     start = restore(resume_setting(cfg.checkpoint, run_dir, r.saver.node), run_dir, r.chunks, r.optimizer,
-                    r.loader, topo.rank, topo.world_size, cfg.model, shard=shard_fn(r.chunks), node=r.saver.node)
+                    r.loader, topo.rank, topo.world_size, cfg.model, shard=shard_fn(r.chunks), node=r.saver.node,
+                    on_resume=lambda saved: _note_warmup_change(saved, cfg.optimizer, topo.rank))
     logger = _open_metrics(r, start) if topo.rank == 0 else None
     losses = []
     guard = NonFiniteGuard(cfg.train.max_skipped_steps)
@@ -422,7 +457,7 @@ def _save_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int, stopping:
         if logger is not None:
             logger.flush()  # metrics up to the checkpoint are on disk with it
         # Each rank writes its own shards in the background; the step waits for a host copy.
-        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict())
+        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict(), _trainer_state(r.cfg.optimizer))
     return stopping
 
 
