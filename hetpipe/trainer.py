@@ -362,10 +362,11 @@ def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     (run_dir / "config.yaml").write_text(resolved)
     (run_dir / "plan.yaml").write_text(r.plan.to_yaml())
+    peak = peak_tflops(cfg, topo.device)
     shape = RunShape(total_steps=t.train_iters, tokens_per_step=r.loader.tokens_per_step,
                      flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
-                     num_devices=topo.world_size, peak_tflops=peak_tflops(cfg, topo.device),
-                     log_interval=t.log_interval)
+                     num_devices=topo.world_size, peak_tflops=peak, log_interval=t.log_interval,
+                     reports_flops=topo.device.type != "cpu" or peak is not None)
     logger = MetricsLogger(run_dir, shape, cfg.logging, start_step=start,
                            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
                            straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None)
