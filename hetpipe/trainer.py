@@ -92,11 +92,19 @@ def _warmup_lr(step: int, opt: OptimizerConfig) -> float:
     return opt.lr_warmup_init + (opt.lr - opt.lr_warmup_init) * done / opt.lr_warmup_iters
 
 
-def _trainer_state(opt: OptimizerConfig) -> dict[str, Any]:
+def _trainer_state(opt: OptimizerConfig, skipped_steps: int) -> dict[str, Any]:
     """What the trainer keeps in a checkpoint's trainer_state.json ("extra"): the warmup
-    convention its steps followed. A checkpoint without it predates Megatron's
-    convention: it was written by a run that warmed up one step ahead."""
-    return {"lr_warmup_style": opt.lr_warmup_style}
+    convention its steps followed, and how many steps were skipped (the learning rate
+    counts applied updates only). A checkpoint without the convention predates
+    Megatron's: it was written by a run that warmed up one step ahead."""
+    return {"lr_warmup_style": opt.lr_warmup_style, "skipped_steps": skipped_steps}
+
+
+def _resume_trainer_state(saved: Any, opt: OptimizerConfig, rank: int, guard: NonFiniteGuard) -> None:
+    """The trainer's own state from a checkpoint: the skipped steps (none recorded
+    before they were kept), and a line where the warmup convention changed."""
+    guard.total = int(saved.get("skipped_steps", 0))
+    _note_warmup_change(saved, opt, rank)
 
 
 def _note_warmup_change(saved: Any, opt: OptimizerConfig, rank: int) -> None:
@@ -274,12 +282,12 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
                 progress: memory_fit.Progress) -> list[float]:
     """Set up this rank, resume, then the steps: train, log, validate, save."""
     r = _set_up(cfg, plan, topo, run_dir, progress)
+    guard = NonFiniteGuard(cfg.train.max_skipped_steps)
     start = restore(resume_setting(cfg.checkpoint, run_dir, r.saver.node), run_dir, r.chunks, r.optimizer,
                     r.loader, topo.rank, topo.world_size, cfg.model, shard=shard_fn(r.chunks), node=r.saver.node,
-                    on_resume=lambda saved: _note_warmup_change(saved, cfg.optimizer, topo.rank))
+                    on_resume=lambda saved: _resume_trainer_state(saved, cfg.optimizer, topo.rank, guard))
     logger = _open_metrics(r, start) if topo.rank == 0 else None
     losses = []
-    guard = NonFiniteGuard(cfg.train.max_skipped_steps)
     preemption = PreemptionWatch(cfg.train.preemption_signals)
     try:
         for step in range(start + 1, cfg.train.train_iters + 1):
@@ -288,7 +296,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
             if loss is not None:
                 losses.append(loss)
             _validate_if_due(r, logger, step)
-            if _save_if_due(r, logger, step, result.stopping):
+            if _save_if_due(r, logger, step, result.stopping, guard.total):
                 _stop_for_preemption(preemption, step, topo.rank, r.saver.wait(), logger)  # committed first
                 break
     except torch.OutOfMemoryError as exc:  # the job's cause is posted before the cleanup below
@@ -392,7 +400,9 @@ def _train_step(r: _Rank, step: int, guard: NonFiniteGuard, preemption: Preempti
     busy time, and the update unless the step is non-finite."""
     t, topo = r.cfg.train, r.topo
     r.progress.step = step
-    lr = lr_at(step - 1, r.cfg.optimizer, t.train_iters)
+    # The schedule counts applied updates, as Megatron-LM's train_step advances its
+    # OptimizerParamScheduler only when the update succeeded: a skipped step leaves it.
+    lr = lr_at(step - 1 - guard.total, r.cfg.optimizer, t.train_iters)
     for group in r.optimizer.param_groups:
         group["lr"] = lr
     if r.weights is not None:
@@ -452,13 +462,13 @@ def _validate_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int) -> No
         logger.record_validation(step, val_loss, val_ppl)
 
 
-def _save_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int, stopping: bool) -> bool:
+def _save_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int, stopping: bool, skipped_steps: int) -> bool:
     """Saves at the configured interval, or now for a preemption; True when stopping."""
     if should_save(r.cfg.checkpoint, step, r.cfg.train.train_iters) or stopping:
         if logger is not None:
             logger.flush()  # metrics up to the checkpoint are on disk with it
         # Each rank writes its own shards in the background; the step waits for a host copy.
-        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict(), _trainer_state(r.cfg.optimizer))
+        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict(), _trainer_state(r.cfg.optimizer, skipped_steps))
     return stopping
 
 
