@@ -106,7 +106,7 @@ def test_a_checkpoint_from_before_megatrons_warmup_resumes_with_one_line(tmp_pat
         return c
 
     # Written as before the change: the trainer kept no state of its own in the checkpoint.
-    monkeypatch.setattr(trainer, "_trainer_state", lambda opt: {})
+    monkeypatch.setattr(trainer, "_trainer_state", lambda *state: {})
     train(cfg(2), tmp_path / "a")
     monkeypatch.undo()
     capsys.readouterr()
