@@ -11,10 +11,17 @@ dashboards and get the same values under ``train/<key>`` and ``val/<key>``.
 
 Values stay on the device until a log interval ends, so logging adds one host
 synchronisation per interval, not per step (a per-step ``.item()`` would stall
-the GPU). Throughput is the interval's wall time divided by its steps, as
-Megatron reports it. TFLOP/s per device uses Megatron's model-FLOPs formula
-(``hetpipe.models.flops``); MFU divides it by the device's dense peak and is
-left empty where no peak is known (a CPU, an unlisted GPU).
+the GPU). Each row describes its own step: ``step_time_s`` is the host's time
+from the previous step's values being queued to this step's (see
+:meth:`MetricsLogger.record` for what that means on a GPU), and
+``tokens_per_s``, ``tflops_per_device`` and ``mfu`` follow from it. The
+console line gives the interval's average instead (its wall time, measured
+after a synchronisation, divided by its steps, as Megatron reports it).
+TFLOP/s per device uses Megatron's model-FLOPs formula
+(``hetpipe.models.flops``); MFU divides it by the device's dense peak. MFU is
+left out where no peak is known (an unlisted GPU), and both are left out on a
+CPU (unless ``train.peak_tflops`` gives one): its TFLOP/s measures nothing a
+reader compares.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ class _Pending:
     grad_norm: torch.Tensor
     lr: float
     consumed_samples: int
+    step_time_s: float  # host time since the previous step's values were queued
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class RunShape:
     num_devices: int
     peak_tflops: Optional[float]  # a device's dense peak for MFU; None where none is known
     log_interval: int = 10
+    # Whether TFLOP/s means something here: false on a CPU without a given peak.
+    reports_flops: bool = True
 
 
 @dataclass
@@ -78,7 +88,8 @@ class MetricsLogger:
         self._file = self.path.open("w", encoding="utf-8")
         self._file.writelines(json.dumps(r) + "\n" for r in kept)
         self._pending: list[_Pending] = []
-        self._last_time = time.perf_counter()
+        self._last_time = time.perf_counter()  # start of the interval (after a synchronisation)
+        self._step_end = self._last_time  # when the previous step's values were queued
         self.console = Console(highlight=False)
         self._bar = None
         if self.logging.progress and self.console.is_terminal:
@@ -110,8 +121,21 @@ class MetricsLogger:
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
                consumed_samples: int) -> None:
-        """Queue one optimizer step's values; flushes at the end of each interval."""
-        self._pending.append(_Pending(step, loss.detach(), grad_norm.detach(), lr, consumed_samples))
+        """Queue one optimizer step's values; flushes at the end of each interval.
+
+        The step's time is taken here, on the host, without a synchronisation: the
+        time since the previous step's values were queued. On a GPU the host runs
+        ahead of the device, so this is when the host got through the step, not
+        when the device finished it; the step's reads of its grad norm and loss
+        (hetpipe.nonfinite) already wait for its forwards and backwards, so it is
+        the step's wall time except that its optimizer update, queued after those
+        reads, overlaps the next step and is counted there. Over an interval the
+        steps' times add up to its wall time, less what was still queued at the end.
+        """
+        now = time.perf_counter()
+        self._pending.append(_Pending(step, loss.detach(), grad_norm.detach(), lr, consumed_samples,
+                                      now - self._step_end))
+        self._step_end = now
         if step % self.shape.log_interval == 0 or step == self.shape.total_steps:
             self.flush()
 
@@ -121,31 +145,35 @@ class MetricsLogger:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         now = time.perf_counter()
-        step_time = (now - self._last_time) / len(self._pending)
+        interval_step_time = (now - self._last_time) / len(self._pending)
         self._last_time = now
-        tflops = self.shape.flops_per_step / step_time / self.shape.num_devices / 1e12
-        rows = []
-        for p in self._pending:
-            # Non-finite steps never get here: they are skipped (record_event).
-            loss = p.loss.item()
-            rows.append({
-                "step": p.step,
-                "loss": loss,
-                "lr": p.lr,
-                "grad_norm": p.grad_norm.item(),
-                "consumed_samples": p.consumed_samples,
-                "step_time_s": step_time,
-                "tokens_per_s": self.shape.tokens_per_step / step_time,
-                "tflops_per_device": tflops,
-                "mfu": tflops / self.shape.peak_tflops if self.shape.peak_tflops else None,
-            })
+        # Non-finite steps never get here: they are skipped (record_event).
+        rows = [self._row(p) for p in self._pending]
         self._pending.clear()
         straggler = self.straggler.take() if self.straggler is not None else {}
         rows[-1].update(straggler)
         for row in rows:
             self._write(row, "train")
         self._finish_writes()
-        self._log_line(rows[-1], describe(straggler))
+        self._log_line(rows[-1], interval_step_time, describe(straggler))
+
+    def _row(self, p: _Pending) -> dict[str, Any]:
+        """One step's row of metrics.jsonl, its throughput from its own time."""
+        row = {"step": p.step, "loss": p.loss.item(), "lr": p.lr, "grad_norm": p.grad_norm.item(),
+               "consumed_samples": p.consumed_samples, "step_time_s": p.step_time_s,
+               "tokens_per_s": self.shape.tokens_per_step / p.step_time_s}
+        row.update(self._flops_fields(p.step_time_s))
+        return row
+
+    def _flops_fields(self, step_time: float) -> dict[str, float]:
+        """``tflops_per_device`` and ``mfu`` for a step of ``step_time`` seconds, each
+        only where it means something (see the module's docstring)."""
+        if not self.shape.reports_flops:
+            return {}
+        tflops = self.shape.flops_per_step / step_time / self.shape.num_devices / 1e12
+        if not self.shape.peak_tflops:
+            return {"tflops_per_device": tflops}
+        return {"tflops_per_device": tflops, "mfu": tflops / self.shape.peak_tflops}
 
     def record_event(self, step: int, event: str, line: Optional[str] = None, **fields: Any) -> None:
         """A row that is not a step's loss: ``skipped`` (a non-finite step),
@@ -158,7 +186,7 @@ class MetricsLogger:
         self._finish_writes()
         if line:
             self._print(line)
-        self._last_time = time.perf_counter()
+        self._restart_clock()
 
     def record_validation(self, step: int, val_loss: float, val_ppl: float) -> None:
         """Log one validation result, taken after optimizer step ``step``.
@@ -172,7 +200,11 @@ class MetricsLogger:
         self._finish_writes()
         self._print(f"validation at step {step}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
         # The next interval's throughput starts here, without validation's time.
-        self._last_time = time.perf_counter()
+        self._restart_clock()
+
+    def _restart_clock(self) -> None:
+        """The next interval and the next step are timed from now."""
+        self._last_time = self._step_end = time.perf_counter()
 
     def _write(self, row: dict[str, Any], section: str) -> None:
         """``row`` into metrics.jsonl as it is, and its numbers into the
@@ -199,11 +231,15 @@ class MetricsLogger:
         else:
             print(line, flush=True)
 
-    def _log_line(self, row: dict[str, Any], suffix: str = "") -> None:
-        mfu = f" | MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
+    def _log_line(self, row: dict[str, Any], step_time: float, suffix: str = "") -> None:
+        """The console line of the interval ending at ``row``: its losses are the
+        step's, its throughput the interval's average (``step_time`` per step)."""
+        flops = self._flops_fields(step_time)
+        tflops = f" | {flops['tflops_per_device']:.3f} TFLOP/s/device" if "tflops_per_device" in flops else ""
+        mfu = f" | MFU {100 * flops['mfu']:.1f}%" if "mfu" in flops else ""
         line = (f"step {row['step']:>6}/{self.shape.total_steps} | loss {row['loss']:.4f} | "
                 f"lr {row['lr']:.3e} | grad norm {row['grad_norm']:.3f} | "
-                f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.3f} TFLOP/s/device{mfu}{suffix}")
+                f"{self.shape.tokens_per_step / step_time:,.0f} tok/s{tflops}{mfu}{suffix}")
         if self._bar is not None:
             self._bar.update(self._task, completed=row["step"], loss=f"loss {row['loss']:.4f}")
         self._print(line)

@@ -141,6 +141,10 @@ class TrainConfig:
                 raise ConfigError(f"train.preemption_signals lists {name!r}; allowed: {', '.join(allowed)}")
 
 
+# How warmup counts its steps (OptimizerConfig.lr_warmup_style).
+LR_WARMUP_STYLES = ("megatron", "one_ahead")
+
+
 @dataclass
 class OptimizerConfig:
     # AdamW peak learning rate, reached after warmup.
@@ -148,6 +152,19 @@ class OptimizerConfig:
     # Floor of the decay.
     min_lr: float = 3e-5
     lr_warmup_iters: int = 10
+    # Learning rate of the first warmup step (Megatron's --lr-warmup-init):
+    # warmup climbs linearly from it to `lr` over lr_warmup_iters steps.
+    lr_warmup_init: float = 0.0
+    # megatron: optimizer step s (0-based) of warmup trains at
+    #   lr_warmup_init + (lr - lr_warmup_init) * s / lr_warmup_iters,
+    # so the first step trains at lr_warmup_init and step lr_warmup_iters at lr
+    # (OptimizerParamScheduler.get_lr in Megatron-LM's
+    # megatron/core/optimizer_param_scheduler.py, whose num_steps counts the steps
+    # already taken), and a hetpipe curve lines up with a Megatron one step for step.
+    # one_ahead: hetpipe's convention before it matched Megatron's, one step ahead:
+    #   lr_warmup_init + (lr - lr_warmup_init) * (s + 1) / lr_warmup_iters.
+    # Decay is the same in both (from step lr_warmup_iters on).
+    lr_warmup_style: str = "megatron"
     # Steps over which LR decays to min_lr; None means train_iters.
     lr_decay_iters: Optional[int] = None
     # cosine | linear | constant (Megatron's lr_decay_style)
@@ -168,6 +185,12 @@ class OptimizerConfig:
         # lr=0 (with min_lr=0) is a run that updates nothing: evaluation, or a check of a set-up.
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optimizer: need 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"optimizer.lr_warmup_init={self.lr_warmup_init} must be between 0 and "
+                              f"optimizer.lr={self.lr}")
+        if self.lr_warmup_style not in LR_WARMUP_STYLES:
+            raise ConfigError(f"optimizer.lr_warmup_style={self.lr_warmup_style!r} must be one of "
+                              f"{', '.join(LR_WARMUP_STYLES)}")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(
                 f"optimizer.lr_decay_style={self.lr_decay_style!r} must be cosine, linear or constant")

@@ -63,18 +63,60 @@ from hetpipe.topology import Topology, check_group_vendor
 
 
 def lr_at(step: int, opt: OptimizerConfig, train_iters: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay."""
+    """Learning rate for optimizer step ``step`` (0-based, i.e. the steps already
+    taken): linear warmup, then decay to ``min_lr``.
+
+    Megatron-LM's OptimizerParamScheduler.get_lr (megatron/core/optimizer_param_scheduler.py),
+    with its num_steps = ``step``: warmup while ``step <= W`` (``lr_warmup_iters``), from
+    ``lr_warmup_init`` at step 0 to ``lr`` at step W; then, over D = ``lr_decay_iters``
+    (train_iters when unset), ratio (step - W) / (D - W) through the cosine or linear
+    coefficient, and ``min_lr`` past D. ``lr_warmup_style=one_ahead`` is hetpipe's
+    earlier warmup, one step ahead (its first step at (lr - init) / W above init).
+    """
     warmup = opt.lr_warmup_iters
-    if step < warmup:
-        return opt.lr * (step + 1) / warmup
+    if warmup > 0 and step <= warmup:
+        return _warmup_lr(step, opt)
     if opt.lr_decay_style == "constant":
         return opt.lr
     decay_iters = opt.lr_decay_iters or train_iters
-    if step >= decay_iters:
+    if step > decay_iters:  # also every step after warmup when D <= W (a run shorter than its warmup)
         return opt.min_lr
-    ratio = (step - warmup) / max(1, decay_iters - warmup)
+    ratio = (step - warmup) / (decay_iters - warmup)
     coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if opt.lr_decay_style == "cosine" else 1.0 - ratio
     return opt.min_lr + coeff * (opt.lr - opt.min_lr)
+
+
+def _warmup_lr(step: int, opt: OptimizerConfig) -> float:
+    """Warmup's line from ``lr_warmup_init`` to ``lr``; ``step`` <= ``lr_warmup_iters``."""
+    done = step if opt.lr_warmup_style == "megatron" else min(step + 1, opt.lr_warmup_iters)
+    return opt.lr_warmup_init + (opt.lr - opt.lr_warmup_init) * done / opt.lr_warmup_iters
+
+
+def _trainer_state(opt: OptimizerConfig, skipped_steps: int) -> dict[str, Any]:
+    """What the trainer keeps in a checkpoint's trainer_state.json ("extra"): the warmup
+    convention its steps followed, and how many steps were skipped (the learning rate
+    counts applied updates only). A checkpoint without the convention predates
+    Megatron's: it was written by a run that warmed up one step ahead."""
+    return {"lr_warmup_style": opt.lr_warmup_style, "skipped_steps": skipped_steps}
+
+
+def _resume_trainer_state(saved: Any, opt: OptimizerConfig, rank: int, guard: NonFiniteGuard) -> None:
+    """The trainer's own state from a checkpoint: the skipped steps (none recorded
+    before they were kept), and a line where the warmup convention changed."""
+    guard.total = int(saved.get("skipped_steps", 0))
+    _note_warmup_change(saved, opt, rank)
+
+
+def _note_warmup_change(saved: Any, opt: OptimizerConfig, rank: int) -> None:
+    """One line when the resumed run's warmup convention is not the checkpoint's."""
+    before = saved.get("lr_warmup_style", "one_ahead")
+    if rank != 0 or before == opt.lr_warmup_style:
+        return
+    old = "predates hetpipe's switch to Megatron's warmup (it warmed up one step ahead)" \
+        if "lr_warmup_style" not in saved else f"was written with optimizer.lr_warmup_style={before}"
+    print(f"hetpipe: note: the warmup convention changed: this checkpoint {old}; the run goes on with "
+          f"optimizer.lr_warmup_style={opt.lr_warmup_style} (steps past optimizer.lr_warmup_iters are "
+          f"unaffected; optimizer.lr_warmup_style={before} keeps the old one)", flush=True)
 
 
 def seed_everything(seed: int) -> None:
@@ -240,11 +282,12 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
                 progress: memory_fit.Progress) -> list[float]:
     """Set up this rank, resume, then the steps: train, log, validate, save."""
     r = _set_up(cfg, plan, topo, run_dir, progress)
+    guard = NonFiniteGuard(cfg.train.max_skipped_steps)
     start = restore(resume_setting(cfg.checkpoint, run_dir, r.saver.node), run_dir, r.chunks, r.optimizer,
-                    r.loader, topo.rank, topo.world_size, cfg.model, shard=shard_fn(r.chunks), node=r.saver.node)
+                    r.loader, topo.rank, topo.world_size, cfg.model, shard=shard_fn(r.chunks), node=r.saver.node,
+                    on_resume=lambda saved: _resume_trainer_state(saved, cfg.optimizer, topo.rank, guard))
     logger = _open_metrics(r, start) if topo.rank == 0 else None
     losses = []
-    guard = NonFiniteGuard(cfg.train.max_skipped_steps)
     preemption = PreemptionWatch(cfg.train.preemption_signals)
     try:
         for step in range(start + 1, cfg.train.train_iters + 1):
@@ -253,7 +296,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
             if loss is not None:
                 losses.append(loss)
             _validate_if_due(r, logger, step)
-            if _save_if_due(r, logger, step, result.stopping):
+            if _save_if_due(r, logger, step, result.stopping, guard.total):
                 _stop_for_preemption(preemption, step, topo.rank, r.saver.wait(), logger)  # committed first
                 break
     except torch.OutOfMemoryError as exc:  # the job's cause is posted before the cleanup below
@@ -327,10 +370,11 @@ def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     (run_dir / "config.yaml").write_text(resolved)
     (run_dir / "plan.yaml").write_text(r.plan.to_yaml())
+    peak = peak_tflops(cfg, topo.device)
     shape = RunShape(total_steps=t.train_iters, tokens_per_step=r.loader.tokens_per_step,
                      flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
-                     num_devices=topo.world_size, peak_tflops=peak_tflops(cfg, topo.device),
-                     log_interval=t.log_interval)
+                     num_devices=topo.world_size, peak_tflops=peak, log_interval=t.log_interval,
+                     reports_flops=topo.device.type != "cpu" or peak is not None)
     logger = MetricsLogger(run_dir, shape, cfg.logging, start_step=start,
                            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
                            straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None)
@@ -356,7 +400,9 @@ def _train_step(r: _Rank, step: int, guard: NonFiniteGuard, preemption: Preempti
     busy time, and the update unless the step is non-finite."""
     t, topo = r.cfg.train, r.topo
     r.progress.step = step
-    lr = lr_at(step - 1, r.cfg.optimizer, t.train_iters)
+    # The schedule counts applied updates, as Megatron-LM's train_step advances its
+    # OptimizerParamScheduler only when the update succeeded: a skipped step leaves it.
+    lr = lr_at(step - 1 - guard.total, r.cfg.optimizer, t.train_iters)
     for group in r.optimizer.param_groups:
         group["lr"] = lr
     if r.weights is not None:
@@ -416,13 +462,13 @@ def _validate_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int) -> No
         logger.record_validation(step, val_loss, val_ppl)
 
 
-def _save_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int, stopping: bool) -> bool:
+def _save_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int, stopping: bool, skipped_steps: int) -> bool:
     """Saves at the configured interval, or now for a preemption; True when stopping."""
     if should_save(r.cfg.checkpoint, step, r.cfg.train.train_iters) or stopping:
         if logger is not None:
             logger.flush()  # metrics up to the checkpoint are on disk with it
         # Each rank writes its own shards in the background; the step waits for a host copy.
-        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict())
+        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict(), _trainer_state(r.cfg.optimizer, skipped_steps))
     return stopping
 
 

@@ -237,9 +237,10 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, l
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         timed = [r for r in rows if args.warmup < r["step"] <= args.steps]  # not the profiled step
         result.update(losses=[r["loss"] for r in rows], steps_timed=len(timed),
-                      tflops_per_gpu=mean([r["tflops_per_device"] for r in timed]),
+                      # Rows carry TFLOP/s and MFU only where they mean something (hetpipe.metrics).
+                      tflops_per_gpu=mean([r["tflops_per_device"] for r in timed if "tflops_per_device" in r]),
                       tokens_per_s=mean([r["tokens_per_s"] for r in timed]),
-                      mfu=mean([r["mfu"] for r in timed if r["mfu"] is not None]),
+                      mfu=mean([r["mfu"] for r in timed if r.get("mfu") is not None]),
                       step_time_s=mean([r["step_time_s"] for r in timed]))
         solution, why = predicted(out)
         result["predicted_step_s"] = solution.step_s if solution else None

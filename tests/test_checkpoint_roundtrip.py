@@ -247,6 +247,12 @@ def test_should_save_and_fresh_start(tmp_path, data_prefix, capsys):
     every = CheckpointConfig(save_interval=4)
     assert [s for s in range(1, 11) if should_save(every, s, train_iters=10)] == [4, 8, 10]
     assert not any(should_save(CheckpointConfig(), s, 10) for s in range(1, 11))
+    # A save_dir asks for checkpoints: the last step is saved without an
+    # interval (as Megatron saves at the end whenever --save is set), and once
+    # when the interval already lands on it.
+    assert [s for s in range(1, 11) if should_save(CheckpointConfig(save_dir="c"), s, 10)] == [10]
+    assert [s for s in range(1, 11) if should_save(CheckpointConfig(save_dir="c", save_interval=5), s, 10)] \
+        == [5, 10]
     job = Job(LLAMA, [4], data_prefix)
     assert job.restore(CheckpointConfig(save_dir=str(tmp_path / "none"), resume="latest")) == 0
     assert "starting from scratch" in capsys.readouterr().out

@@ -47,8 +47,42 @@ def test_tensorboard_scalars_equal_metrics_jsonl_of_a_real_run(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
         assert scalars[f"train/{key}"] == [(r["step"], _f32(r[key])) for r in rows], key
-    # MFU is empty on a CPU (no known peak): no scalar rather than a fake 0.
-    assert "train/mfu" not in scalars and all(r["mfu"] is None for r in rows)
+    # TFLOP/s and MFU mean nothing on a CPU (no known peak): no field, no scalar,
+    # not in the console line, rather than a fake 0.001.
+    assert "train/mfu" not in scalars and "train/tflops_per_device" not in scalars
+    assert not any("mfu" in r or "tflops_per_device" in r for r in rows)
+
+
+@pytest.mark.timeout(60)
+def test_each_row_times_its_own_step_and_the_console_line_its_interval(tmp_path, monkeypatch, capsys):
+    now = [100.0]
+    monkeypatch.setattr("hetpipe.metrics.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    shape = RunShape(total_steps=4, tokens_per_step=64, flops_per_step=4e12, num_devices=2, peak_tflops=4.0,
+                     log_interval=2)
+    log = MetricsLogger(tmp_path / "gpu", shape, LoggingConfig(progress=False))
+    for step, took in enumerate([1.0, 3.0, 2.0, 2.0], 1):
+        now[0] += took
+        log.record(step, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 8 * step)
+    log.close()
+    rows = read_metrics(tmp_path / "gpu")
+    assert [r["step_time_s"] for r in rows] == [1.0, 3.0, 2.0, 2.0]
+    assert [r["tokens_per_s"] for r in rows] == pytest.approx([64.0, 64 / 3, 32.0, 32.0])
+    assert [r["tflops_per_device"] for r in rows] == pytest.approx([2.0, 2 / 3, 1.0, 1.0])
+    assert [r["mfu"] for r in rows] == pytest.approx([0.5, 1 / 6, 0.25, 0.25])
+    # The console line of steps 1-2 gives their average: 2 s a step.
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step      2/4"))
+    assert line.endswith("| 32 tok/s | 1.000 TFLOP/s/device | MFU 25.0%"), line
+
+    # A CPU (no peak): neither TFLOP/s nor MFU, in the rows or the line.
+    cpu = RunShape(total_steps=2, tokens_per_step=64, flops_per_step=4e12, num_devices=1, peak_tflops=None,
+                   log_interval=2, reports_flops=False)
+    log = MetricsLogger(tmp_path / "cpu", cpu, LoggingConfig(progress=False))
+    for step in (1, 2):
+        now[0] += 1.0
+        log.record(step, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 8 * step)
+    log.close()
+    assert not any("tflops_per_device" in r or "mfu" in r for r in read_metrics(tmp_path / "cpu"))
+    assert capsys.readouterr().out.rstrip().endswith("| 64 tok/s")
 
 
 @pytest.mark.timeout(60)

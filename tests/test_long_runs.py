@@ -63,6 +63,11 @@ def test_non_finite_step_is_skipped_bitwise_and_logged(tmp_path, corpus_prefix, 
     assert skipped == [{"step": 3, "event": "skipped", "reason": "grad norm inf", "lr": skipped[0]["lr"],
                         "consumed_samples": 24, "consecutive_skips": 1, "skipped_steps": 1}]
     assert sorted(_losses(rows)) == [1, 2, 4]
+    # The schedule counts applied updates (Megatron's train_step advances its scheduler
+    # only on a successful update): step 4 trains at the lr the skipped step 3 had,
+    # and the checkpoints carry the count for a resumed run.
+    assert [r["lr"] for r in rows if r["step"] == 4] == [skipped[0]["lr"]]
+    assert json.loads((ckpt / "iter_0000004" / "trainer_state.json").read_text())["extra"]["skipped_steps"] == 1
     assert "hetpipe: step 3 skipped: grad norm inf" in proc.stdout
 
 

@@ -36,9 +36,11 @@ def test_tiny_llama_loss_falls_through_the_cli(tmp_path, corpus_prefix):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 61))
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
-                "consumed_samples", "step_time_s"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "consumed_samples", "step_time_s"):
         assert key in rows[0]
+    # A CPU run: TFLOP/s and MFU would mean nothing, so neither is written.
+    assert not any("tflops_per_device" in r or "mfu" in r for r in rows)
+    assert "TFLOP/s" not in proc.stdout and "MFU" not in proc.stdout
     assert rows[-1]["consumed_samples"] == 60 * 16
     first = sum(r["loss"] for r in rows[:5]) / 5
     last = sum(r["loss"] for r in rows[-5:]) / 5
@@ -46,6 +48,7 @@ def test_tiny_llama_loss_falls_through_the_cli(tmp_path, corpus_prefix):
     assert last < first - 2.0, (first, last)
     assert "step     60/60 | loss" in proc.stdout
     assert (run_dir / "config.yaml").is_file()
+    assert not (run_dir / "checkpoints").exists()  # no save_dir, no interval: no multi-GB surprise
 
 
 def _cfg(data_path, **train):
@@ -70,14 +73,116 @@ def test_same_seed_same_losses_and_accumulation_matches_one_big_batch(tmp_path, 
     assert other_seed != a
 
 
+CLI_RUN = ["+model=tiny_llama", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+           "logging.progress=false"]
+
+
+def _iter_dirs(ckpt):
+    return sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_"))
+
+
+def test_a_run_with_a_save_dir_ends_with_a_checkpoint(tmp_path, corpus_prefix):
+    # No interval: the last step is saved because a save_dir was given (Megatron's end-of-run save).
+    ckpt = tmp_path / "ckpt"
+    proc = run_cli(["-m", "hetpipe.pretrain", *CLI_RUN, f"data.path={corpus_prefix}", "train.train_iters=3",
+                    f"checkpoint.save_dir={ckpt}", f"hydra.run.dir={tmp_path / 'a'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _iter_dirs(ckpt) == ["iter_0000003"] and proc.stdout.count("saved checkpoint") == 1
+    # An interval that lands on the last step saves it once.
+    ckpt = tmp_path / "ckpt2"
+    proc = run_cli(["-m", "hetpipe.pretrain", *CLI_RUN, f"data.path={corpus_prefix}", "train.train_iters=4",
+                    f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2", f"hydra.run.dir={tmp_path / 'b'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _iter_dirs(ckpt) == ["iter_0000002", "iter_0000004"] and proc.stdout.count("saved checkpoint") == 2
+
+
+def test_a_checkpoint_from_before_megatrons_warmup_resumes_with_one_line(tmp_path, corpus_prefix, monkeypatch,
+                                                                         capsys):
+    import hetpipe.trainer as trainer
+
+    def cfg(iters, resume=None):
+        c = _cfg(corpus_prefix, train_iters=iters)
+        c.checkpoint.save_dir, c.checkpoint.resume = str(tmp_path / "ckpt"), resume
+        return c
+
+    # Written as before the change: the trainer kept no state of its own in the checkpoint.
+    monkeypatch.setattr(trainer, "_trainer_state", lambda *state: {})
+    train(cfg(2), tmp_path / "a")
+    monkeypatch.undo()
+    capsys.readouterr()
+    train(cfg(4, "latest"), tmp_path / "b")
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "warmup convention changed" in line]
+    assert len(notes) == 1 and "optimizer.lr_warmup_style=one_ahead keeps the old one" in notes[0], out
+    # The checkpoint this run wrote records its convention: no line when resuming it.
+    train(cfg(6, "latest"), tmp_path / "c")
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "warmup convention" not in out
+
+
+def _megatron_lr(num_steps, init, max_lr, min_lr, warmup, decay, style):
+    """Megatron-LM's OptimizerParamScheduler.get_lr (megatron/core/optimizer_param_scheduler.py)
+    for iteration-based runs, its num_steps being the optimizer steps already taken."""
+    if warmup > 0 and num_steps <= warmup:
+        return init + (max_lr - init) * num_steps / warmup
+    if style == "constant":
+        return max_lr
+    if num_steps > decay:
+        return min_lr
+    ratio = (num_steps - warmup) / (decay - warmup)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
 def test_lr_schedule_warmup_then_cosine_to_min():
     opt = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, lr_decay_iters=14)
     lrs = [lr_at(s, opt, train_iters=20) for s in range(20)]
-    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert lrs[4] == pytest.approx(1.0)
+    # Megatron's warmup: the first step trains at lr_warmup_init (0), step W at lr.
+    assert lrs[:5] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert lrs[9] == pytest.approx(0.1 + 0.9 * 0.5 * (math.cos(math.pi * 0.5) + 1))
     assert all(x >= y for x, y in zip(lrs[4:], lrs[5:]))
     assert lrs[14:] == [0.1] * 6
+
+
+@pytest.mark.parametrize("config", [
+    dict(lr=1.0, min_lr=0.1, lr_warmup_iters=4, lr_decay_iters=14, lr_decay_style="cosine"),
+    dict(lr=3e-4, min_lr=3e-5, lr_warmup_iters=10, lr_decay_iters=None, lr_decay_style="cosine"),
+    dict(lr=1e-3, min_lr=0.0, lr_warmup_iters=3, lr_decay_iters=9, lr_decay_style="linear"),
+    dict(lr=2e-3, min_lr=2e-4, lr_warmup_iters=5, lr_warmup_init=1e-4, lr_decay_iters=12,
+         lr_decay_style="cosine"),
+    dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=3, lr_warmup_init=5e-4, lr_decay_style="constant"),
+    dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=0, lr_decay_iters=8, lr_decay_style="linear"),
+])
+def test_lr_matches_megatrons_scheduler_step_for_step(config):
+    train_iters = 20
+    opt = OptimizerConfig(**config)
+    decay = opt.lr_decay_iters or train_iters
+    expected = [_megatron_lr(s, opt.lr_warmup_init, opt.lr, opt.min_lr, opt.lr_warmup_iters, decay,
+                             opt.lr_decay_style) for s in range(train_iters)]
+    assert [lr_at(s, opt, train_iters) for s in range(train_iters)] == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_lr_values_by_hand_and_the_old_convention_by_name():
+    # lr 1e-3 from lr_warmup_init 1e-4 over 3 steps, then linear to 0 at step 6 (thirds of lr).
+    opt = OptimizerConfig(lr=1e-3, min_lr=0.0, lr_warmup_iters=3, lr_warmup_init=1e-4, lr_decay_iters=6,
+                          lr_decay_style="linear")
+    assert [lr_at(s, opt, 8) for s in range(8)] == pytest.approx(
+        [1e-4, 4e-4, 7e-4, 1e-3, 2e-3 / 3, 1e-3 / 3, 0.0, 0.0], abs=1e-15)
+    # hetpipe's earlier warmup, one step ahead, kept under its name.
+    old = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, lr_decay_iters=14, lr_warmup_style="one_ahead")
+    assert [lr_at(s, old, 20) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert [lr_at(s, old, 20) for s in range(5, 20)] == [
+        lr_at(s, OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, lr_decay_iters=14), 20)
+        for s in range(5, 20)]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(lr_warmup_init=2e-3, lr=1e-3), "optimizer.lr_warmup_init=0.002 must be between 0 and optimizer.lr=0.001"),
+    (dict(lr_warmup_style="late"), "optimizer.lr_warmup_style='late' must be one of megatron, one_ahead"),
+])
+def test_warmup_settings_are_checked(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        OptimizerConfig(**bad)
 
 
 def _one_error_line(proc, needle):

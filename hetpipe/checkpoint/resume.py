@@ -9,7 +9,7 @@ over the world group, before the step loop).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,8 @@ def _agree(path: Optional[Path], save_dir: Path, rank: int, world_size: int) -> 
 
 def restore(cfg: CheckpointConfig, run_dir: str | Path, chunks: Sequence[CausalLM],
             optimizer: torch.optim.Optimizer, loader: Optional[MicrobatchLoader], rank: int, world_size: int,
-            model_cfg: ModelConfig, shard: Optional[Shard] = None, node: int = 0) -> int:
+            model_cfg: ModelConfig, shard: Optional[Shard] = None, node: int = 0,
+            on_resume: Optional[Callable[[Mapping[str, Any]], None]] = None) -> int:
     """What a run starts from: a checkpoint (``cfg.resume``), else HF weights
     (``cfg.load_hf``), else its fresh init. Returns the optimizer steps already done.
 
@@ -65,7 +66,9 @@ def restore(cfg: CheckpointConfig, run_dir: str | Path, chunks: Sequence[CausalL
     right before the step loop, so restored RNG states are the last word.
     ``node`` is this rank's node index (for ``{node}`` in the paths). With
     several ranks and ``resume=latest``, the ranks agree on one step (a
-    collective over the world group).
+    collective over the world group). ``on_resume`` gets the trainer's own state from
+    the checkpoint (``extra_state`` of the save; empty for a checkpoint written before
+    the trainer kept any), after the resume line.
     """
     path = None
     if cfg.resume == "latest":
@@ -88,6 +91,8 @@ def restore(cfg: CheckpointConfig, run_dir: str | Path, chunks: Sequence[CausalL
         if rank == 0:
             rng = "RNG states restored" if loaded.rng_restored else "RNG states not restored: the plan differs"
             print(f"hetpipe: resumed from {loaded.path} after step {loaded.step}; {rng}", flush=True)
+        if on_resume is not None:
+            on_resume(loaded.trainer_state.get("extra") or {})
         return loaded.step
     if cfg.load_hf is not None:
         load_hf_weights(cfg.load_hf, chunks, model_cfg, shard=shard)

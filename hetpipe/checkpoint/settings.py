@@ -23,8 +23,10 @@ class CheckpointConfig:
     # docs/checkpoints.md); "{node}" in it becomes the node's index, e.g.
     # 'checkpoint.save_dir="/ckpt/node{node}"' (quoted for hydra).
     save_dir: Optional[str] = None
-    # Save every N optimizer steps and after the last step; 0 never saves
-    # (a multi-GB write should be asked for, not a surprise at the end of a demo).
+    # Save every N optimizer steps and after the last step; 0 saves only after
+    # the last step, and only when save_dir is set (as Megatron saves at the end
+    # whenever --save is given). A run with neither writes no checkpoint: a
+    # multi-GB write should be asked for, not a surprise at the end of a demo.
     save_interval: int = 0
     # Complete checkpoints to keep in save_dir; older ones are deleted only
     # after a newer one is complete. 0 keeps all.
@@ -70,7 +72,11 @@ def resolve_save_dir(cfg: CheckpointConfig, run_dir: str | Path, node: int = 0) 
 
 
 def should_save(cfg: CheckpointConfig, completed_steps: int, train_iters: int) -> bool:
-    """Whether to save after ``completed_steps`` optimizer steps (1-based)."""
-    if cfg.save_interval == 0:
-        return False
-    return completed_steps % cfg.save_interval == 0 or completed_steps == train_iters
+    """Whether to save after ``completed_steps`` optimizer steps (1-based): at each
+    ``save_interval``, and once after the last step when an interval or a
+    ``save_dir`` asks for checkpoints (Megatron-LM's pretrain() saves at the end
+    whenever --save is set, megatron/training/training.py). The last step is saved
+    once, whether or not the interval divides it."""
+    if completed_steps == train_iters:
+        return cfg.save_interval > 0 or cfg.save_dir is not None
+    return cfg.save_interval > 0 and completed_steps % cfg.save_interval == 0
