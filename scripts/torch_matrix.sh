@@ -24,9 +24,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 versions=(2.11.0 2.15.0)
 [ $# -gt 0 ] && versions=("$@")
 status=0
-# As scripts/test.sh: one pytest-xdist worker per core (at most 4), whole modules each, longest first.
+# As scripts/test.sh: pytest-xdist workers, one more than the cores (at most 4), whole modules each.
 cores=$(nproc)
-workers=${HETPIPE_TEST_WORKERS:-$((cores < 4 ? cores : 4))}
+workers=${HETPIPE_TEST_WORKERS:-$((cores + 1 < 4 ? cores + 1 : 4))}
 for version in "${versions[@]}"; do
   venv="$root/.venv-torch$version"
   echo "hetpipe: torch $version: the multi-process subset in $venv" >&2
