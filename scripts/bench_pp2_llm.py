@@ -37,9 +37,10 @@ entry, as ``peer`` (1f1b) and ``peer+sched=NAME``; the table's "x peer" ratio
 is against the 1F1B peer.
 ``--layers auto`` gives each hetpipe variant the planner's split for its own
 schedule and layout (``plan=auto``'s search with the run's stages, TP, DP,
-model, sequence, microbatches, precision and recomputation fixed; zb_v's four
-chunks in pipeline order), and the peer the nccl 1F1B run's; the table shows
-each run's split. A run whose process exits non-zero, dies of a signal or
+model, sequence, microbatches and precision fixed; zb_v's four chunks in
+pipeline order) with the planner's recomputation per stage (as plan=auto
+runs it; a ``--set train.recompute=MODE`` fixes one mode instead), and the
+peer the nccl 1F1B run's layers; the table shows each run's split. A run whose process exits non-zero, dies of a signal or
 times out is "failed (exit N)" / "failed (signal NAME)" in the table and in
 results.json, with no throughput, and no ratio is taken against it.
 ``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
@@ -66,6 +67,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 from omegaconf import OmegaConf
 
@@ -147,7 +149,10 @@ def predicted(run_dir: Path):
         return None, f"the planner does not model {plan.schedule}"
     kind = cfg.cluster.transport.kind
     planner = dataclasses.replace(
-        cfg.planner, tp=tps.pop(), dp=physical[0].dp, recompute="none", schedule=plan.schedule,
+        # A run that recomputes ran the planner's per-stage choice for its split, which the
+        # solver finds again for the same split (bench --layers auto); otherwise none.
+        cfg.planner, tp=tps.pop(), dp=physical[0].dp, schedule=plan.schedule,
+        recompute="auto" if any(s.recompute != "none" for s in plan.stages) else "none",
         stages=[sum(s.group == g.name for s in physical) for g in cfg.cluster.groups],
         group_order=list(dict.fromkeys(s.group for s in physical)),
         transport="direct" if kind == "direct" else "cpu_forwarding",
@@ -158,10 +163,35 @@ def predicted(run_dir: Path):
         return None, str(exc)
 
 
+class Split(NamedTuple):
+    """A run's decoder layers per virtual stage and, where the planner chose it,
+    each stage's recomputation (``train.recompute`` / ``train.recompute_num_layers``
+    as per-stage lists; None: the run's own setting)."""
+    layers: list[int]
+    recompute: Optional[list[str]] = None
+    recompute_num_layers: Optional[list] = None
+
+    def overrides(self) -> list[str]:
+        out = [f"partition.layers=[{','.join(map(str, self.layers))}]"]
+        if self.recompute is not None:
+            counts = ",".join("null" if n is None else str(n) for n in self.recompute_num_layers)
+            out += [f"train.recompute=[{','.join(self.recompute)}]", f"train.recompute_num_layers=[{counts}]"]
+        return out
+
+    def describe(self) -> str:
+        """``17,15`` or, with recomputation, ``17,15 (recompute full 6/17, none)``."""
+        text = ",".join(map(str, self.layers))
+        if self.recompute is None or set(self.recompute) == {"none"}:
+            return text
+        stages = [m if m == "none" or n is None else f"{m} {n}/{k}"
+                  for m, n, k in zip(self.recompute, self.recompute_num_layers, self.layers)]
+        return f"{text} (recompute {', '.join(stages)})"
+
+
 def hetpipe_overrides(args, variant: str, flags: set[str], schedule: str,
-                      layers: list[int] | None) -> list[str]:
+                      split: Split | None) -> list[str]:
     """``python -m hetpipe.pretrain``'s overrides for one run, its directory aside;
-    ``layers`` None leaves the split to the variant (tp2: an even one)."""
+    ``split`` None leaves the split to the variant (tp2: an even one)."""
     # --microbatches is per DP replica: the per-GPU batch stays that of the 2-GPU run.
     replicas = 1 if args.gpus == 2 else (args.gpus // 4 if variant == "tp2" else args.gpus // 2)
     return [f"+model={args.model}", f"train.seq_length={args.seq_length}",
@@ -177,7 +207,7 @@ def hetpipe_overrides(args, variant: str, flags: set[str], schedule: str,
             *[f"cluster.transport.gemm_sm_carveout={f[2:]}" for f in flags if f.startswith("sm")],
             *[f"optimizer.{k}={v}" for k, v in OPTIMIZER.items()],
             "logging.progress=false", f"data.path={args.data}",
-            *([f"partition.layers=[{','.join(map(str, layers))}]"] if layers is not None else []),
+            *(split.overrides() if split is not None else []),
             *variant_overrides(variant, args.gpus), *args.set]
 
 
@@ -190,17 +220,19 @@ def run_config(overrides: list[str]) -> PretrainConfig:
         return resolve(compose("pretrain", overrides=overrides))
 
 
-def planned_split(cfg: PretrainConfig) -> list[int]:
+def planned_split(cfg: PretrainConfig) -> Split:
     """The planner's split for a run: decoder layers per virtual stage, in pipeline
     order, for the layout its partition settings make (stages per group, TP, DP,
-    group order) under its schedule, recomputation and optimizer sharding; the
-    cluster's device types resolve as plan=auto resolves them (auto: detected)."""
+    group order) under its schedule and optimizer sharding, with each stage's
+    recomputation as the planner chooses it (as plan=auto does) unless the run
+    fixes one mode (train.recompute); the cluster's device types resolve as
+    plan=auto resolves them (auto: detected)."""
     layout = build_plan(dataclasses.replace(cfg.partition, layers=None), cfg.cluster, cfg.model)
     physical = layout.stages[: layout.pipeline_size]
     tps = {s.tp for s in physical}
     if len(tps) > 1:
         raise ConfigError(f"the planner fixes one TP degree for all groups, not {sorted(tps)}")
-    recompute = cfg.train.recompute or "none"
+    recompute = cfg.train.recompute or "auto"
     if not isinstance(recompute, str):
         raise ConfigError(f"the planner takes one recomputation mode, not train.recompute={list(recompute)}")
     planner = dataclasses.replace(
@@ -208,28 +240,32 @@ def planned_split(cfg: PretrainConfig) -> list[int]:
         stages=[sum(s.group == g.name for s in physical) for g in cfg.cluster.groups],
         group_order=list(dict.fromkeys(s.group for s in physical)), micro_batch_sizes=None,
         distributed_optimizer=cfg.optimizer.distributed)
-    return [s.layers for s in plan_for(cfg.model, cfg.cluster, cfg.train, planner).stages]
+    stages = plan_for(cfg.model, cfg.cluster, cfg.train, planner).stages
+    if cfg.train.recompute is not None:  # the run's own mode, as it set it
+        return Split([s.layers for s in stages])
+    return Split([s.layers for s in stages], [s.recompute for s in stages],
+                 [s.recompute_num_layers for s in stages])
 
 
-def run_split(args, base: str, flags: set[str], schedule: str) -> list[int] | None:
+def run_split(args, base: str, flags: set[str], schedule: str) -> Split | None:
     """One run's partition.layers: --layers as given (zb_v halves each rank's count
     into its V) or, with --layers auto, the planner's split for the run's schedule.
     The peer takes the nccl 1F1B run's split; tp2 keeps its even one (None)."""
     if base == "tp2":
         return None
-    if base == "peer":
-        return run_split(args, "nccl", flags & {"compile"}, ONE_F_ONE_B.name)
+    if base == "peer":  # the peer cannot recompute: only the layers
+        return Split(run_split(args, "nccl", flags & {"compile"}, ONE_F_ONE_B.name).layers)
     if args.layers != "auto":
         counts = [int(n) for n in args.layers.split(",")]
-        return v_layers(counts) if schedule_spec(schedule).layout is V_SHAPE else counts
+        return Split(v_layers(counts) if schedule_spec(schedule).layout is V_SHAPE else counts)
     return planned_split(run_config(hetpipe_overrides(args, base, flags, schedule, None)))
 
 
-def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, layers: list[int] | None) -> dict:
-    overrides = [*hetpipe_overrides(args, variant, flags, schedule, layers), f"hydra.run.dir={out}"]
+def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, split: Split | None) -> dict:
+    overrides = [*hetpipe_overrides(args, variant, flags, schedule, split), f"hydra.run.dir={out}"]
     cmd = [*PYTHON, "-m", "hetpipe.pretrain", *overrides]
     result = _run(cmd, out.with_suffix(".log"), args.timeout)
-    result["layers"] = layers
+    result.update(layers=split and split.layers, split=split and split.describe())
     if "failed" in result:
         return result  # whatever it logged before it failed is no measurement
     metrics = out / "metrics.jsonl"
@@ -257,7 +293,8 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, l
     return result
 
 
-def run_peer(args, compiled: bool, schedule: str, out: Path, layers: list[int]) -> dict:
+def run_peer(args, compiled: bool, schedule: str, out: Path, split: Split) -> dict:
+    layers = split.layers
     out.mkdir(parents=True, exist_ok=True)
     result_path = out / "result.json"
     result_path.unlink(missing_ok=True)  # an earlier run's result is not this one's
@@ -348,7 +385,7 @@ def table(results: dict[str, dict], args) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         tf = None if "failed" in r else r.get("tflops_per_gpu")
-        split = ",".join(map(str, r["layers"])) if r.get("layers") else "even"
+        split = r.get("split") or (",".join(map(str, r["layers"])) if r.get("layers") else "even")
         if tf is None:
             status = f"failed ({r['failed']})" if "failed" in r else (r.get("status") or "no step timed")
             lines.append(f"| {name} | {split} | {status} | - | - | {_mem(r)} | - | - | - |")
@@ -450,12 +487,12 @@ def main() -> None:
         print(f"== {variant}", flush=True)
         # No "=" in the directory: it goes into hydra.run.dir's override.
         run_dir = out / variant.replace("+", "_").replace("=", "-")
-        layers = splits[variant]
-        results[variant] = (run_peer(args, "compile" in flags, schedule, run_dir, layers) if base == "peer"
-                            else run_hetpipe(args, base, flags, schedule, run_dir, layers))
+        split = splits[variant]
+        results[variant] = (run_peer(args, "compile" in flags, schedule, run_dir, split) if base == "peer"
+                            else run_hetpipe(args, base, flags, schedule, run_dir, split))
         r = results[variant]
         outcome = f"FAILED ({r['failed']})" if "failed" in r else f"TFLOP/s/GPU {r.get('tflops_per_gpu')}"
-        print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  split {layers or 'even'}  {outcome}  "
+        print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  split {split.describe() if split else 'even'}  {outcome}  "
               f"peak mem {r.get('peak_mem_gib')}", flush=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = table(results, args)
@@ -466,7 +503,7 @@ def main() -> None:
     print(text)
 
 
-def _split_or_fail(args, variant: str, base: str, flags: set[str], schedule: str) -> list[int] | None:
+def _split_or_fail(args, variant: str, base: str, flags: set[str], schedule: str) -> Split | None:
     """:func:`run_split`, or one line and exit 2 (before any run starts)."""
     from hydra.errors import HydraException
 

@@ -162,35 +162,57 @@ def test_layers_auto_is_the_planners_split_for_each_schedule(monkeypatch):
                               set=["cluster.groups.0.device_type=H100"])
     model = model_preset("llama8b")
     train = TrainConfig(seq_length=4096, micro_batch_size=1, global_batch_size=16, precision="bf16-pure")
-    one_group = dict(tp=1, dp=1, stages=[2], group_order=["nvidia"], recompute="none")
+    one_group = dict(tp=1, dp=1, stages=[2], group_order=["nvidia"], recompute="auto")
     splits = {}
     for schedule in ("1f1b", "zb_h1", "zb_v"):
         expected = plan_for(model, _h100_cluster("nvidia", size=2), train, PlannerConfig(schedule=schedule, **one_group))
         splits[schedule] = bench.run_split(args, "nccl", set(), schedule)
-        assert splits[schedule] == [s.layers for s in expected.stages]
+        assert splits[schedule].layers == [s.layers for s in expected.stages]
         # ...passed as partition.layers, the run's plan is that split (zb_v: its V's four chunks).
         cfg = bench.run_config(bench.hetpipe_overrides(args, "nccl", set(), schedule, splits[schedule]))
         plan = build_plan(cfg.partition, cfg.cluster, cfg.model)
-        assert [s.layers for s in plan.stages] == splits[schedule] and plan.schedule == schedule
-    assert len(splits["zb_v"]) == 4 and sum(splits["zb_v"]) == 32 and len(splits["1f1b"]) == 2
+        assert [s.layers for s in plan.stages] == splits[schedule].layers and plan.schedule == schedule
+        assert [s.recompute for s in plan.stages] == [s.recompute for s in expected.stages]
+    assert len(splits["zb_v"].layers) == 4 and sum(splits["zb_v"].layers) == 32 and len(splits["1f1b"].layers) == 2
     # Two vendor groups of one H100 each, the device-direct boundary: the split of that layout and link.
     args.set = ["cluster.groups.0.device_type=H100", "cluster.groups.1.device_type=H100"]
-    mixed = PlannerConfig(schedule="zb_v", tp=1, dp=1, stages=[1, 1], group_order=["nvidia", "amd"], recompute="none")
-    assert bench.run_split(args, "direct", set(), "zb_v") == \
+    mixed = PlannerConfig(schedule="zb_v", tp=1, dp=1, stages=[1, 1], group_order=["nvidia", "amd"], recompute="auto")
+    assert bench.run_split(args, "direct", set(), "zb_v").layers == \
         [s.layers for s in plan_for(model, _h100_cluster("nvidia", "amd", kind="direct"), train, mixed).stages]
     # The peer runs the nccl 1F1B split whatever its own schedule; tp2 keeps its even split.
     args.set = ["cluster.groups.0.device_type=H100"]
-    assert bench.run_split(args, "peer", set(), "zbv") == splits["1f1b"]
+    assert bench.run_split(args, "peer", set(), "zbv") == (splits["1f1b"].layers, None, None)
     assert bench.run_split(args, "tp2", set(), "1f1b") is None
     # Given counts are taken as they are (zb_v halves each rank's into its V).
     args.layers = "17,15"
-    assert bench.run_split(args, "nccl", set(), "zb_v") == [9, 8, 7, 8]
+    assert bench.run_split(args, "nccl", set(), "zb_v") == ([9, 8, 7, 8], None, None)
+
+
+def test_layers_auto_takes_the_planners_recomputation_per_stage(monkeypatch):
+    """LLaMA-3-8B PP2 at seq 8192, micro-batch 2, bf16-pure on two declared H100s:
+    1F1B fits 80 GB only if some layers recompute; --layers auto runs the planner's
+    choice per stage (train.recompute lists), and the run's plan is exactly that."""
+    from hetpipe.partitioner.resolve import resolve_plan
+
+    bench = _bench(monkeypatch)
+    args = argparse.Namespace(model="llama8b", seq_length=8192, micro_batch_size=2, microbatches=16, steps=3,
+                              warmup=1, profile=False, precision="bf16-pure", data="demo", gpus=2, layers="auto",
+                              set=["cluster.groups.0.device_type=H100"])
+    split = bench.run_split(args, "nccl", set(), "1f1b")
+    assert split.recompute is not None and set(split.recompute) != {"none"}
+    assert "recompute" in split.describe()
+    cfg = bench.run_config(bench.hetpipe_overrides(args, "nccl", set(), "1f1b", split))
+    plan = resolve_plan(cfg)
+    assert [s.layers for s in plan.stages] == split.layers
+    assert [s.recompute for s in plan.stages] == split.recompute
+    assert [s.recompute_num_layers for s in plan.stages] == split.recompute_num_layers
 
 
 def test_layers_auto_refuses_a_schedule_that_does_not_fit_before_any_run(tmp_path, monkeypatch, capfd):
-    # GPipe keeps all 16 microbatches of LLaMA-3-8B at seq 4096: nothing fits an H100.
-    err = _refusal(["--out", str(tmp_path), "--layers", "auto", "--seq-length", "4096", "--microbatches", "16",
-                    "--precision", "bf16-pure", "--variants", "nccl+sched=gpipe",
+    # GPipe keeps all 16 microbatches of LLaMA-3-8B at seq 8192, and fp32 main weights with
+    # AdamW's state take 18 bytes a parameter: even full recomputation fits no H100.
+    err = _refusal(["--out", str(tmp_path), "--layers", "auto", "--seq-length", "8192", "--microbatches", "16",
+                    "--precision", "bf16", "--variants", "nccl+sched=gpipe",
                     "--set", "cluster.groups.0.device_type=H100"], monkeypatch, capfd)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "--layers auto, variant nccl+sched=gpipe: llama8b does not fit" in lines[0]
