@@ -41,7 +41,8 @@ from hetpipe.launch.job_watch import JobWatch, namespace
 from hetpipe.launch.nodes import NodeMap, roll_call
 from hetpipe.devices.catalog import DeviceSpec
 from hetpipe.partitioner.plan_data import Plan
-from hetpipe.torch_compat import set_gemm_sm_carveout
+from hetpipe.known_warnings import SM_CARVEOUT, native_lines_hidden
+from hetpipe.torch_compat import NCCL_DEFAULT_TIMEOUT, nccl_group_options, set_gemm_sm_carveout
 
 
 def launched_multi_node(cluster: ClusterConfig) -> bool:
@@ -304,9 +305,10 @@ class Topology:
         if carveout >= sms:
             raise ConfigError(f"cluster.transport.gemm_sm_carveout={carveout} leaves no SMs of this GPU's "
                               f"{sms} to the GEMMs")
-        if not set_gemm_sm_carveout(carveout):
-            return 0
-        torch.backends.cuda.preferred_blas_library("cublaslt")
+        with native_lines_hidden(SM_CARVEOUT):  # torch's "experimental" lines: the banner says what is set
+            if not set_gemm_sm_carveout(carveout):
+                return 0
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         return carveout
 
     def _new_group(self, ranks: list[int], group: GroupConfig, timeout: Optional[timedelta] = None,
@@ -321,10 +323,9 @@ class Topology:
         extra = {"timeout": timeout} if timeout is not None else {}
         if self.rank in ranks:
             extra["device_id"] = self.device
-        if max_ctas is not None:
-            options = dist.ProcessGroupNCCL.Options()
-            options.config.max_ctas = max_ctas
-            extra["pg_options"] = options
+        if max_ctas is not None:  # the options carry the group's timeout, or torch warns they disagree
+            extra["timeout"] = timeout or NCCL_DEFAULT_TIMEOUT
+            extra["pg_options"] = nccl_group_options(max_ctas, extra["timeout"])
         return dist.new_group(ranks, backend="nccl", **extra)
 
     def _same_vendor_directions(self) -> list[tuple[int, int]]:

@@ -32,6 +32,11 @@ c10d rendezvous handler ``_state_holder.state.round``  the rendezvous round, equ
                                                        (:func:`set_gemm_sm_carveout`); a build
                                                        without it runs with no carveout, said
                                                        in one line.
+``ProcessGroupNCCL.Options._timeout``                   a capped boundary communicator's options
+                                                       carry its group's timeout (torch warns
+                                                       when they differ and has no public
+                                                       setter): :func:`nccl_group_options`;
+                                                       a build without it keeps its default.
 ``torch.utils._triton.has_triton``                     whether Triton can compile here
                                                        (:func:`triton_available`).
 ``torch._functorch.config.donated_buffer``             compiled backwards that allow
@@ -63,9 +68,12 @@ import inspect
 import os
 import re
 import sys
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.distributed.constants as dist_constants
 from torch import nn
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -243,6 +251,21 @@ def set_gemm_sm_carveout(sms: int) -> bool:
         return False
     setter(sms)
     return True
+
+
+# What torch gives an NCCL group created with no timeout (torch.distributed.constants:
+# None on a build without NCCL, which never creates one).
+NCCL_DEFAULT_TIMEOUT = dist_constants.default_pg_nccl_timeout or dist_constants.default_pg_timeout
+
+
+def nccl_group_options(max_ctas: int, timeout: timedelta) -> "dist.ProcessGroupNCCL.Options":
+    """Options of an NCCL group whose communicator uses at most ``max_ctas`` CTAs, with the
+    ``timeout`` the group is created with (else torch warns that the two disagree)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = max_ctas
+    if hasattr(options, "_timeout"):
+        options._timeout = timeout
+    return options
 
 
 def triton_available() -> bool:

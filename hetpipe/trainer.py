@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from hetpipe.checkpoint import CheckpointSaver, restore, should_save
 from hetpipe.comm.factory import check_transport_available
 from hetpipe.devices.vendor import accelerator_name, detect_vendor
+from hetpipe.known_warnings import quiet_known_warnings
 from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.pipeline.engine import PipelineEngine
@@ -188,6 +189,7 @@ def _loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> Microbat
 
 def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
     """One rank's training loop: its stage(s), its channels, the shared step loop."""
+    quiet_known_warnings()
     cfg = resolve(cfg_dict)
     rank, world, local_rank = rank_env()
     plan = Plan.from_dict(yaml.safe_load(plan_yaml))
