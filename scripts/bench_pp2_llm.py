@@ -253,8 +253,8 @@ def run_split(args, base: str, flags: set[str], schedule: str) -> Split | None:
     The peer takes the nccl 1F1B run's split; tp2 keeps its even one (None)."""
     if base == "tp2":
         return None
-    if base == "peer":  # the peer cannot recompute: only the layers
-        return Split(run_split(args, "nccl", flags & {"compile"}, ONE_F_ONE_B.name).layers)
+    if base == "peer":  # hetpipe's 1F1B layers (the peer does not recompute; its compiled layers are its own)
+        return Split(run_split(args, "nccl", set(), ONE_F_ONE_B.name).layers)
     if args.layers != "auto":
         counts = [int(n) for n in args.layers.split(",")]
         return Split(v_layers(counts) if schedule_spec(schedule).layout is V_SHAPE else counts)
