@@ -9,7 +9,6 @@ bf16 mode, see hetpipe.models.precision); CPUs run fp32.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -306,7 +305,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
         if logger is not None:
             logger.close()
         if topo.device.type == "cuda":
-            _write_peak_memory(run_dir, topo.rank, topo.device)
+            memory_fit.write_peak_memory(run_dir, topo.rank, topo.device)
         # The last checkpoint is committed before the job ends (a failed background write
         # is raised here); after a failure elsewhere an unfinished save is abandoned.
         r.saver.close()
@@ -487,13 +486,3 @@ def _stop_for_preemption(preemption: PreemptionWatch, step: int, rank: int, chec
         logger.record_event(step, "preempted", signal=signal_name)
         print(f"hetpipe: preempted by {signal_name} after step {step}: checkpoint {checkpoint} saved; "
               "exiting 0", flush=True)
-
-
-def _write_peak_memory(run_dir: Path, rank: int, device: torch.device) -> None:
-    """Each GPU rank's peak memory, for benchmark reports (``memory_rank<r>.json``)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    gib = 2**30
-    record = {"rank": rank, "device": str(device),
-              "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
-              "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
-    (run_dir / f"memory_rank{rank}.json").write_text(json.dumps(record) + "\n")
