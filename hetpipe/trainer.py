@@ -40,6 +40,7 @@ from hetpipe.launch.restart import resume_setting
 from hetpipe import memory_fit
 from hetpipe.metrics import MetricsLogger, RunShape
 from hetpipe.nonfinite import NonFiniteGuard
+from hetpipe.sample_log import SampleLog
 from hetpipe.token_loss import TokenWeights, step_weights
 from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
@@ -380,7 +381,8 @@ def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
                      reports_flops=topo.device.type != "cpu" or peak is not None)
     logger = MetricsLogger(run_dir, shape, cfg.logging, start_step=start,
                            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
-                           straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None)
+                           straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None,
+                           samples=SampleLog(run_dir, r.loader, t.seed, start) if cfg.logging.sample_log else None)
     attempt = restart_attempt()
     if attempt:
         logger.record_event(start, "restart", f"hetpipe: restart {attempt} of {t.max_restarts}: resumed "
@@ -440,6 +442,8 @@ def _log_step(r: _Rank, logger: Optional[MetricsLogger], step: int, result: _Ste
               guard: NonFiniteGuard) -> Optional[torch.Tensor]:
     """The step's row (or its skipped event) on rank 0; returns its mean loss unless skipped."""
     consumed = r.loader.state_dict()["consumed_samples"]
+    if logger is not None and logger.samples is not None:
+        logger.samples.record(step, applied=result.skipped is None)
     if result.skipped is not None:
         if logger is not None:
             logger.record_event(

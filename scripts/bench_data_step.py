@@ -1,5 +1,5 @@
 """What the data side of a training step costs at a realistic global batch:
-the loader, and data.eod_mask_loss's mask and count.
+the loader, data.eod_mask_loss's mask and count, logging.sample_log's record.
 
 A synthetic corpus (random byte tokens in documents of 50-2000 tokens, or a
 0.7/0.3 blend of two) is read at ``--seq`` tokens per sample and ``--gbs``
@@ -9,7 +9,9 @@ reads). Per step it times, separately: the loader's step (draw the global
 batch, read and stack its samples, with the EOD mask under ``--eod-mask``);
 the count of the labels the token-weighted loss divides by
 (hetpipe.token_loss.counted_tokens, which data.eod_mask_loss adds besides the
-mask and one all-reduce of an integer). Medians over ``--steps`` steps.
+mask and one all-reduce of an integer); and the sample log's record (copy
+the indices into the record, write and flush it: all that logging.sample_log
+adds). Medians over ``--steps`` steps; the bytes per step are the record's.
 
     python scripts/bench_data_step.py [--gbs 1024] [--seq 4096] [--steps 100] [--blend] [--eod-mask]
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from hetpipe.data import IndexedDatasetWriter, MicrobatchLoader
+from hetpipe.sample_log import SampleLog
 from hetpipe.token_loss import counted_tokens
 
 
@@ -58,16 +61,21 @@ def main() -> None:
         spec = f"0.7 {paths[0]} 0.3 {paths[1]}" if args.blend else paths[0]
         loader = MicrobatchLoader(spec, "byte", args.seq, args.gbs, micro_batch_size=1, vocab_size=257,
                                   eod_mask_loss=args.eod_mask)
-        load, count = [], []
+        log = SampleLog(root / "run", loader, seed=1234)
+        load, record, count = [], [], []
         for step in range(1, args.steps + 1):
             batch = []
             load.append(_timed(lambda: batch.extend(loader.next_step())))
+            record.append(_timed(lambda: log.record(step, applied=True)))
             count.append(_timed(lambda: counted_tokens(batch)))
+        log.close()
+        size = (root / "run" / "samples.bin").stat().st_size // args.steps
     us = 1e6
     print(f"global batch {args.gbs} x seq {args.seq}{', 0.7/0.3 blend' if args.blend else ''}"
           f"{', EOD mask' if args.eod_mask else ''}; medians over {args.steps} steps")
     print(f"  loader step (draw, read, stack{', mask' if args.eod_mask else ''}): "
           f"{statistics.median(load) * 1e3:.1f} ms")
+    print(f"  sample log record:   {statistics.median(record) * us:.1f} us, {size} bytes/step")
     print(f"  counted tokens:      {statistics.median(count) * us:.1f} us")
 
 
