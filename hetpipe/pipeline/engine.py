@@ -177,9 +177,9 @@ class PipelineEngine:
         action constants. The step's loss is the mean over microbatches of
         each microbatch's loss, each times its ``loss_weights`` entry where
         they are given (hetpipe.token_loss's make it the mean over tokens;
-        without, it is the mean of the microbatch means). Returns the sum of the weighted microbatch
-        losses (in microbatch order) on the rank that holds the last virtual
-        stage, else None.
+        without, it is the mean of the microbatch means). Returns the sum of
+        the weighted microbatch losses (in microbatch order) on the rank that
+        holds the last virtual stage, else None.
         """
         if loss_weights is not None:
             loss_weights = torch.as_tensor(loss_weights, dtype=torch.float32).to(self.device, non_blocking=True)
