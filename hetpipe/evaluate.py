@@ -11,6 +11,10 @@ would. Each DP replica takes its share of every batch as in training.
 The last stage's per-microbatch losses are gathered over the world group and
 summed one by one in fp32 in the global microbatch order (batch by batch, DP
 rank by DP rank), then divided by their count, as a training step's loss is.
+With masked labels (``data.eod_mask_loss``) each loss is first weighted by
+its microbatch's counted tokens (hetpipe.token_loss), so ``val_loss`` is the
+mean over every counted token, as the training loss is; unmasked, every
+weight is 1 and nothing is multiplied.
 The value therefore depends on the weights and the data only, not on the
 split, the vendors, TP or DP: on CPU in fp32 it is bitwise the
 single-process value whenever the weights are.
@@ -31,6 +35,7 @@ from hetpipe.partitioner.plan_data import Plan
 from hetpipe.models.precision import Bf16Weights
 from hetpipe.pretrain_config import PretrainConfig
 from hetpipe.pipeline.schedules import Action, forward_only
+from hetpipe.token_loss import counted_tokens, token_weights
 from hetpipe.topology import Topology
 
 
@@ -45,7 +50,8 @@ def validation_loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -
     path, split = (data.valid_path, None) if data.valid_path is not None else (data.path, data.split)
     return MicrobatchLoader(path, data.tokenizer, seq_length=t.seq_length, global_batch_size=t.global_batch_size,
                             micro_batch_size=t.micro_batch_size, vocab_size=cfg.model.vocab_size, dp_rank=dp_rank,
-                            dp_size=dp_size, seed=t.seed, split=split, part="valid")
+                            dp_size=dp_size, seed=t.seed, split=split, part="valid",
+                            eod_mask_loss=data.eod_mask_loss)
 
 
 class Validator:
@@ -75,27 +81,33 @@ class Validator:
             self.weights.refresh()  # the bf16 copies lag the optimizer step just taken
         self.loader.restart()
         losses: list[torch.Tensor] = []
+        counts: list[int] = []
         for _ in range(self.eval_iters):
-            step_losses = self.engine.run_forward(self.actions, self.loader.next_step())
+            batch = self.loader.next_step()
+            counts += counted_tokens(batch)
+            step_losses = self.engine.run_forward(self.actions, batch)
             if step_losses is not None and self.contributes:
                 losses += step_losses
         width = self.eval_iters * self.loader.num_microbatches
-        local = torch.stack(losses).float().cpu() if losses else torch.zeros(width)
-        # [batch, DP rank, microbatch]: the global microbatch order.
-        ordered = self._by_dp_rank(local).reshape(self.dp_size, self.eval_iters, -1).transpose(0, 1)
-        values = ordered.reshape(-1).numpy()
-        # cumsum adds one after another (a plain sum may pair them up), in fp32.
-        val_loss = float(np.cumsum(values, dtype=np.float32)[-1] / np.float32(values.size))
+        local = torch.stack(losses).double().cpu() if losses else torch.zeros(width, dtype=torch.float64)
+        rows = self._by_dp_rank(torch.cat([local, torch.tensor(counts, dtype=torch.float64)]))
+        values = self._global_order(rows[:, :width]).astype(np.float32)
+        val_loss = _token_mean(values, self._global_order(rows[:, width:]))
         try:
             return val_loss, math.exp(val_loss)
         except OverflowError:  # a diverged run; its loss says so anyway
             return val_loss, math.inf
 
+    def _global_order(self, rows: torch.Tensor) -> np.ndarray:
+        """[DP rank, batch x microbatch] -> [batch, DP rank, microbatch], flat: the
+        global microbatch order."""
+        return rows.reshape(self.dp_size, self.eval_iters, -1).transpose(0, 1).reshape(-1).numpy()
+
     def _by_dp_rank(self, local: torch.Tensor) -> torch.Tensor:
-        """Every DP replica's losses, one row each in DP-rank order."""
+        """Every DP replica's row (its losses, then its counts), one each in DP-rank order."""
         if self.group is None:
             return local.reshape(1, -1)
-        row = torch.cat([torch.tensor([float(self.contributes), float(self.dp_rank)]), local])
+        row = torch.cat([torch.tensor([float(self.contributes), float(self.dp_rank)], dtype=local.dtype), local])
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(rows, row, group=self.group)
         reported = sorted(((int(r[1]), r[2:]) for r in rows if r[0] == 1), key=lambda item: item[0])
@@ -103,6 +115,17 @@ class Validator:
             raise RuntimeError(f"validation losses came from DP ranks {[dp for dp, _ in reported]}, "
                                f"expected one report from each of {self.dp_size}")
         return torch.stack([values for _, values in reported])
+
+
+def _token_mean(values: np.ndarray, counts: np.ndarray) -> float:
+    """The fp32 mean of the microbatch losses ``values``, each weighted by its
+    counted tokens (hetpipe.token_loss); all weights 1 without masked labels,
+    and then nothing is multiplied. cumsum adds one after another (a plain sum
+    may pair them up)."""
+    weights = np.asarray(token_weights([int(c) for c in counts], int(counts.sum())), dtype=np.float32)
+    if not np.all(weights == 1.0):
+        values = np.where(weights == 0.0, np.float32(0.0), values * weights)
+    return float(np.cumsum(values, dtype=np.float32)[-1] / np.float32(values.size))
 
 
 def build_validator(cfg: PretrainConfig, plan: Plan, topo: Topology, engine: PipelineEngine, contributes: bool,

@@ -28,6 +28,7 @@ same plan runs out again at the same step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from contextlib import contextmanager
@@ -270,3 +271,13 @@ def device_memory(device: torch.device) -> tuple[float, float, str]:
 def _gib(x: float) -> str:
     """126.9, 79.1, 0.0123: a tenth of a GiB for devices, three digits for emulated ones."""
     return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def write_peak_memory(run_dir: Path, rank: int, device: torch.device) -> None:
+    """Each GPU rank's peak memory, for benchmark reports (``memory_rank<r>.json``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    gib = 2**30
+    record = {"rank": rank, "device": str(device),
+              "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+    (run_dir / f"memory_rank{rank}.json").write_text(json.dumps(record) + "\n")

@@ -37,6 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.pretrain_config import LoggingConfig
+from hetpipe.sample_log import SampleLog
 from hetpipe.straggler import StragglerReport, describe
 
 
@@ -73,6 +74,8 @@ class MetricsLogger:
     wandb_config: dict[str, Any] = field(default_factory=dict)
     # logging.straggler: per-rank busy times, reported at each flush.
     straggler: Optional[StragglerReport] = None
+    # logging.sample_log: each step's global batch (the trainer records it; closed here).
+    samples: Optional[SampleLog] = None
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,6 +249,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._pending.clear()
+        if self.samples is not None:
+            self.samples.close()
         if self._bar is not None:
             self._bar.stop()
             self._bar = None

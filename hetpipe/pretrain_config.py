@@ -221,6 +221,18 @@ class DataConfig:
     # Validation data of its own instead of a split: a prefix or a blend, as
     # `path`, read whole; training then reads every document of `path`.
     valid_path: Optional[str] = None
+    # Megatron's --eod-mask-loss: positions whose input token is the
+    # tokenizer's end of document get no loss (the model is not asked for the
+    # next document's first token), in training and validation. The loss is
+    # then the mean over the global batch's counted tokens (hetpipe/token_loss.py):
+    # the last stage counts its labels and all-reduces one integer over its DP
+    # group per step. Off by default, as in Megatron; off, nothing is counted and
+    # runs are bitwise what they were. scripts/bench_data_step.py, one rank
+    # reading a whole 1024 x 4096 global batch in microbatches of 1 on the
+    # shared 2-core machine (loaded, so inflated): the mask took the loader's
+    # step from 43 to 54 ms and the count took 11 ms (per microbatch, so a
+    # rank of DP 8 pays an eighth).
+    eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
         parse_data_path(self.path, "data.path")
@@ -253,6 +265,17 @@ class LoggingConfig:
     # reports min/max per rank the same way). Rides on the step's gradient-norm
     # exchange: no extra collective.
     straggler: bool = False
+    # Rank 0 appends each step's global batch - the step, whether its update
+    # was applied, every sample's global index and, for a blend, its source -
+    # to <run dir>/samples.bin (header samples.json; hetpipe/sample_log.py).
+    # On by default because it is cheap: at a global batch of 1024 (seq 4096)
+    # a record is 4105 bytes (5129 for a blend: 4 + 1 per sample), 0.4 GB per
+    # 100k steps, and writing and flushing it took 0.08 ms per step
+    # (scripts/bench_data_step.py on the shared 2-core machine, loaded, so
+    # inflated), against 28-43 ms for the loader to read that batch and
+    # seconds for such a step (LLaMA-3-8B: 2e17 model FLOPs, about 5 s on 64
+    # GPUs at the 620 TFLOP/s each measured in docs/benchmarks.md).
+    sample_log: bool = True
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in ("offline", "online"):

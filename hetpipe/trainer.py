@@ -4,12 +4,12 @@ AdamW with warmup + cosine decay, metrics.
 One optimizer step consumes one global batch, split into microbatches whose
 gradients accumulate (each microbatch loss is scaled by 1/num_microbatches, so
 the step's gradient is that of the mean loss over the global batch, Megatron's
-convention). GPUs run bf16 working copies of fp32 main weights (Megatron's
-bf16 mode, see hetpipe.models.precision); CPUs run fp32.
+convention; with masked labels, of the mean over its tokens: hetpipe.token_loss).
+GPUs run bf16 working copies of fp32 main weights (Megatron's bf16 mode, see
+hetpipe.models.precision); CPUs run fp32.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -41,6 +41,8 @@ from hetpipe.launch.restart import resume_setting
 from hetpipe import memory_fit
 from hetpipe.metrics import MetricsLogger, RunShape
 from hetpipe.nonfinite import NonFiniteGuard
+from hetpipe.sample_log import SampleLog
+from hetpipe.token_loss import TokenWeights, step_weights
 from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
@@ -184,7 +186,7 @@ def _loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> Microbat
     return MicrobatchLoader(cfg.data.path, cfg.data.tokenizer, seq_length=t.seq_length,
                             global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                             vocab_size=cfg.model.vocab_size, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
-                            split=cfg.data.split)
+                            split=cfg.data.split, eod_mask_loss=cfg.data.eod_mask_loss)
 
 
 def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
@@ -264,6 +266,7 @@ class _Rank:
     optimizer: torch.optim.Optimizer
     clipper: GradNormClipper
     counts_loss: bool  # this rank's loss is part of the step's (last stage, TP rank 0)
+    token_weights: Optional[TokenWeights]  # the last stage's, where labels can be masked
     validator: Any
     saver: CheckpointSaver
     fused: bool  # some layer runs fused elementwise kernels
@@ -308,7 +311,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
         if logger is not None:
             logger.close()
         if topo.device.type == "cuda":
-            _write_peak_memory(run_dir, topo.rank, topo.device)
+            memory_fit.write_peak_memory(run_dir, topo.rank, topo.device)
         # The last checkpoint is committed before the job ends (a failed background write
         # is raised here); after a failure elsewhere an unfinished save is abandoned.
         r.saver.close()
@@ -359,10 +362,11 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     world_group = dist.group.WORLD if topo.world_size > 1 else None
     clipper = GradNormClipper(cfg.model, chunks, world_group, contributes=topo.dp_rank == 0)
     counts_loss = any(chunk.is_last for chunk in chunks) and topo.tp_rank == 0
+    token_weights = step_weights(cfg.data.eod_mask_loss, any(c.is_last for c in chunks), topo.dp_group, device)
     validator = build_validator(cfg, plan, topo, engine, counts_loss, weights)
     saver = CheckpointSaver.for_topology(cfg.checkpoint, run_dir, topo, cfg.model, plan)
     return _Rank(cfg, plan, topo, run_dir, progress, precision, chunks, loader, weights, engine, reducer,
-                 optimizer, clipper, counts_loss, validator, saver, fused, carveout)
+                 optimizer, clipper, counts_loss, token_weights, validator, saver, fused, carveout)
 
 
 def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
@@ -379,7 +383,8 @@ def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
                      reports_flops=topo.device.type != "cpu" or peak is not None)
     logger = MetricsLogger(run_dir, shape, cfg.logging, start_step=start,
                            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
-                           straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None)
+                           straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None,
+                           samples=SampleLog(run_dir, r.loader, t.seed, start) if cfg.logging.sample_log else None)
     attempt = restart_attempt()
     if attempt:
         logger.record_event(start, "restart", f"hetpipe: restart {attempt} of {t.max_restarts}: resumed "
@@ -412,7 +417,8 @@ def _train_step(r: _Rank, step: int, guard: NonFiniteGuard, preemption: Preempti
     started = time.perf_counter()
     faults.hit("step", topo.rank, step)
     with profile_step(t.profile_step == step, r.run_dir, topo.rank, step):
-        loss_sum = r.engine.run_step(r.loader.next_step())
+        batch = r.loader.next_step()
+        loss_sum = r.engine.run_step(batch, r.token_weights(batch) if r.token_weights is not None else None)
         if r.reducer is not None:
             r.reducer.finish()  # every .grad is now the DP average
         if topo.tp_size > 1:
@@ -438,6 +444,8 @@ def _log_step(r: _Rank, logger: Optional[MetricsLogger], step: int, result: _Ste
               guard: NonFiniteGuard) -> Optional[torch.Tensor]:
     """The step's row (or its skipped event) on rank 0; returns its mean loss unless skipped."""
     consumed = r.loader.state_dict()["consumed_samples"]
+    if logger is not None and logger.samples is not None:
+        logger.samples.record(step, applied=result.skipped is None)
     if result.skipped is not None:
         if logger is not None:
             logger.record_event(
@@ -489,13 +497,3 @@ def _stop_for_preemption(preemption: PreemptionWatch, step: int, rank: int, chec
         logger.record_event(step, "preempted", signal=signal_name)
         print(f"hetpipe: preempted by {signal_name} after step {step}: checkpoint {checkpoint} saved; "
               "exiting 0", flush=True)
-
-
-def _write_peak_memory(run_dir: Path, rank: int, device: torch.device) -> None:
-    """Each GPU rank's peak memory, for benchmark reports (``memory_rank<r>.json``)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    gib = 2**30
-    record = {"rank": rank, "device": str(device),
-              "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
-              "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
-    (run_dir / f"memory_rank{rank}.json").write_text(json.dumps(record) + "\n")

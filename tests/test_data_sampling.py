@@ -132,6 +132,26 @@ def test_loader_serves_shifted_token_label_pairs(tmp_path):
     assert loader.state_dict()["consumed_samples"] == 24
 
 
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_eod_mask_loss_drops_the_labels_after_each_end_of_document(tmp_path, micro_batch_size):
+    # Megatron's --eod-mask-loss: a position whose input is EOD predicts the next document's
+    # first token; its label becomes -100. Inputs are untouched (with one sample per
+    # microbatch, tokens and labels start as views of one window).
+    rng = np.random.default_rng(1)
+    eod = ByteTokenizer().eod
+    prefix = write_docs(tmp_path / "d", [np.append(rng.integers(0, 256, int(rng.integers(1, 9))), eod)
+                                         for _ in range(60)])
+    plain, masked = (MicrobatchLoader(prefix, "byte", 16, 4, micro_batch_size, 320, eod_mask_loss=mask)
+                     for mask in (False, True))
+    ends = 0
+    for _ in range(3):
+        for (tokens, labels), (masked_tokens, masked_labels) in zip(plain.next_step(), masked.next_step()):
+            assert torch.equal(masked_tokens, tokens)
+            assert torch.equal(masked_labels, torch.where(tokens == eod, -100, labels))
+            ends += int((tokens == eod).sum())
+    assert ends > 10
+
+
 def test_loader_refuses_small_model_vocab(tmp_path):
     prefix = write_docs(tmp_path / "d", [np.arange(100)])
     with pytest.raises(

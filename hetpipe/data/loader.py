@@ -23,6 +23,11 @@ from hetpipe.data.split import parse_split, split_documents
 from hetpipe.data.tokenizer import load_tokenizer
 from hetpipe.errors import DataError
 
+# The loss's ignore_index (hetpipe.models.loss.IGNORE_INDEX, F.cross_entropy's
+# default): a label equal to it adds nothing to the loss nor to the count of
+# tokens the loss is averaged over.
+IGNORE_INDEX = -100
+
 
 class MicrobatchLoader:
     """Serves int64 ``[micro_batch_size, seq_length]`` (tokens, labels) pairs for one DP rank.
@@ -31,7 +36,10 @@ class MicrobatchLoader:
     standard-library corpus built with ``tokenizer_spec``, or a weighted blend
     ``"w1 prefix1 w2 prefix2 ..."`` (see :mod:`hetpipe.data.sources`).
     ``split`` (``"969,30,1"``) restricts every source to the documents of
-    ``part``; None reads all of them.
+    ``part``; None reads all of them. ``eod_mask_loss`` (Megatron's
+    ``--eod-mask-loss``) sets the label of every position whose input token is
+    the tokenizer's end of document to :data:`IGNORE_INDEX`: the loss does not
+    ask the model to guess the next document's first token from the one before.
     """
 
     def __init__(
@@ -47,8 +55,11 @@ class MicrobatchLoader:
         seed: int = 1234,
         split: str | None = None,
         part: str = "train",
+        eod_mask_loss: bool = False,
     ) -> None:
         tokenizer = load_tokenizer(tokenizer_spec)
+        self.eod_mask_loss = eod_mask_loss
+        self.eod = tokenizer.eod
         if tokenizer.vocab_size > vocab_size:
             raise DataError(
                 f"tokenizer {tokenizer_spec} has {tokenizer.vocab_size} tokens but the "
@@ -100,7 +111,10 @@ class MicrobatchLoader:
             self._check_ids(samples, indices)
             batch = torch.from_numpy(samples)
             # Inputs and labels are the same window shifted by one token.
-            batches.append((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
+            tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            if self.eod_mask_loss:  # a new tensor: with one sample per microbatch the two are views of batch
+                labels = torch.where(tokens == self.eod, IGNORE_INDEX, labels)
+            batches.append((tokens, labels))
         return batches
 
     def _check_ids(self, samples: np.ndarray, indices: np.ndarray) -> None:

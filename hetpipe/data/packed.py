@@ -29,6 +29,7 @@ class PackedSequenceDataset:
         # sequences, so the stream in document order is simply the sequences
         # in index order.
         first_doc, last_doc = documents if documents is not None else (0, dataset.num_documents)
+        self.documents = (int(first_doc), int(last_doc))
         self._first = int(dataset.document_indices[first_doc])
         self._lengths = dataset.sequence_lengths[
             self._first : int(dataset.document_indices[last_doc])].astype(np.int64)

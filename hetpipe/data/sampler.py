@@ -75,21 +75,31 @@ class GlobalBatchSampler:
         self._orders = [EpochOrder(size, seed, stream) for stream, size in enumerate(sizes)]
         self._offsets = np.cumsum([0] + sizes[:-1])
         self._blend = BlendSchedule(self.weights or [1.0])
+        self.last_batch: tuple[np.ndarray, np.ndarray] | None = None
 
     def global_batch(self) -> np.ndarray:
         """Sample indices of the next global batch (all ranks), without advancing."""
+        return self._draw()[0]
+
+    def _draw(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next global batch's sample indices and the blend source of each."""
         sources, before = self._blend.assign(self.consumed_samples, self.global_batch_size)
         out = np.empty(self.global_batch_size, dtype=np.int64)
         for source, order in enumerate(self._orders):
             where = np.flatnonzero(sources == source)
             if where.size:
                 out[where] = self._offsets[source] + order.take(before[source], where.size)
-        return out
+        return out, sources
 
     def next_step(self) -> list[np.ndarray]:
-        """This rank's micro-batches (arrays of sample indices) for the next step."""
+        """This rank's micro-batches (arrays of sample indices) for the next step.
+
+        The whole global batch stays in :attr:`last_batch` (indices, sources) until
+        the next call: the record of what the step trained on (hetpipe.sample_log).
+        """
+        self.last_batch = self._draw()
         share = self.global_batch_size // self.dp_size
-        mine = self.global_batch()[self.dp_rank * share : (self.dp_rank + 1) * share]
+        mine = self.last_batch[0][self.dp_rank * share : (self.dp_rank + 1) * share]
         self.consumed_samples += self.global_batch_size
         return list(mine.reshape(self.num_microbatches, self.micro_batch_size))
 

@@ -53,6 +53,8 @@ class _Step:
 
     microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     recvs: list[Action]
+    # Each microbatch's loss weight (hetpipe.token_loss), on the device; None: no weights.
+    loss_weights: Optional[torch.Tensor] = None
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     received: dict = field(default_factory=dict)
@@ -70,6 +72,22 @@ class _Step:
     next_recv: int = 0
     done_recvs: int = 0
     waited: float = 0.0
+
+
+def _loss_root(loss: torch.Tensor, step: _Step, microbatch: int) -> torch.Tensor:
+    """What a microbatch's backward starts from: its loss over the number of
+    microbatches (a single-process step's scaling), times its weight if it has one."""
+    root = loss if step.loss_weights is None else loss * step.loss_weights[microbatch]
+    return root / len(step.microbatches)
+
+
+def _weighted(loss: torch.Tensor, step: _Step, microbatch: int) -> torch.Tensor:
+    """A microbatch's share of the step's loss sum: its loss times its weight;
+    0 for weight 0 (a microbatch without a token that counts has a NaN mean)."""
+    if step.loss_weights is None:
+        return loss
+    weight = step.loss_weights[microbatch]
+    return torch.where(weight == 0, torch.zeros_like(loss), loss * weight)
 
 
 class PipelineEngine:
@@ -151,14 +169,21 @@ class PipelineEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
+    def run_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 loss_weights: Optional[Sequence[float] | torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Forward and backward every microbatch; gradients accumulate in the chunks.
 
         Each action goes to its handler in :attr:`_HANDLERS`, keyed by the
-        action constants. Returns the sum of the microbatch losses (in
-        microbatch order) on the rank that holds the last virtual stage, else None.
+        action constants. The step's loss is the mean over microbatches of
+        each microbatch's loss, each times its ``loss_weights`` entry where
+        they are given (hetpipe.token_loss's make it the mean over tokens;
+        without, it is the mean of the microbatch means). Returns the sum of
+        the weighted microbatch losses (in microbatch order) on the rank that
+        holds the last virtual stage, else None.
         """
-        step = _Step(microbatches, [a for a in self.actions if a.kind in (RECV_FWD, RECV_BWD)])
+        if loss_weights is not None:
+            loss_weights = torch.as_tensor(loss_weights, dtype=torch.float32).to(self.device, non_blocking=True)
+        step = _Step(microbatches, [a for a in self.actions if a.kind in (RECV_FWD, RECV_BWD)], loss_weights)
         for action in self.actions:
             handler = self._HANDLERS.get(action.kind)
             if handler is None:
@@ -172,7 +197,8 @@ class PipelineEngine:
         loss_sum: Optional[torch.Tensor] = None
         if step.losses:
             for m in range(len(microbatches)):  # canonical order, whatever the schedule
-                loss_sum = step.losses[m] if loss_sum is None else loss_sum + step.losses[m]
+                loss = _weighted(step.losses[m], step, m)
+                loss_sum = loss if loss_sum is None else loss_sum + loss
         return loss_sum
 
     def _post_receives(self, step: _Step, limit: int) -> None:
@@ -225,8 +251,7 @@ class PipelineEngine:
         key = (action.microbatch, action.chunk)
         out = step.out = step.outputs.pop(key)
         if self.chunks[action.chunk].is_last:
-            # Same scaling as a single-process step: mean over microbatches.
-            (out / len(step.microbatches)).backward()
+            _loss_root(out, step, action.microbatch).backward()
         else:
             out.backward(step.received.pop((BWD,) + key))
         self._backward_done(step, action)
@@ -236,7 +261,7 @@ class PipelineEngine:
         chunk = self.chunks[action.chunk]
         out = step.out = step.outputs.pop(key)
         if chunk.is_last:
-            out, grad = out / len(step.microbatches), None
+            out, grad = _loss_root(out, step, action.microbatch), None
             step.out = out
         else:
             grad = step.received.pop((BWD,) + key)
