@@ -44,7 +44,7 @@ device work:
 What it costs: flash attention instead of cuDNN's (torch's choice on H100 and
 H200), FlashAttention-2's deterministic backward, the NCCL boundary's GEMM
 carveout, ring-only collectives and filled allocations. Not measured on GPUs
-yet.
+yet: ``scripts/determinism_check.sh`` prints the step time with and without.
 On CPUs torch's kernels are deterministic already and the mode changes no
 number (tests/test_determinism.py); what it checks there is only what CPU
 kernels raise. Not verified on AMD hardware: RCCL's variables and ROCm's

@@ -62,7 +62,8 @@ class RunShape:
     log_interval: int = 10
     # Whether TFLOP/s means something here: false on a CPU without a given peak.
     reports_flops: bool = True
-    # train.deterministic: every training row says so.
+    # train.deterministic: every training row says so (python -m hetpipe.compare
+    # then demands bitwise-equal curves of two such runs).
     deterministic: bool = False
 
 

@@ -72,7 +72,7 @@ class TrainConfig:
     # NCCL runs on 2xH100 (0.75B LLaMA-3 shape, bf16, 200 steps) otherwise
     # differed by up to 1.8e-2 relative in loss, which hides a channel's
     # parity (issue 31). Costs speed (flash instead of cuDNN attention above
-    # all), not yet measured on GPUs.
+    # all): scripts/determinism_check.sh measures it; not yet on GPUs.
     deterministic: bool = False
     # Profile this optimizer step (1-based) on GPU ranks: each writes
     # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
