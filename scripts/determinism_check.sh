@@ -4,7 +4,8 @@
 # cost? Every run goes through python -m hetpipe.pretrain on this machine's two
 # GPUs, every verdict through python -m hetpipe.compare; a table comes last.
 #
-#   bash scripts/determinism_check.sh [--cpu] [--data PREFIX] [--out DIR] [--steps N] [OVERRIDE...]
+#   bash scripts/determinism_check.sh [--cpu] [--phase all|det|plain] [--data PREFIX] [--out DIR]
+#                                     [--steps N] [OVERRIDE...]
 #
 # (a) nccl_det_a, nccl_det_b: the pipeline boundary over NCCL (gpu2_homogeneous),
 #     train.deterministic=true, twice: compare must call them bitwise identical;
@@ -17,6 +18,10 @@
 # (d) the table: each run's result and median step time, the verdicts of (a)
 #     to (c), and deterministic mode's cost in step time per boundary.
 # Exits 1 if a run failed or (a) or (b) is not bitwise identical, else 0.
+# --phase det runs (a) and (b) only, --phase plain (c) only; a run already in
+# --out with all its steps is kept, not run again, and every verdict whose runs
+# are all there is given: two calls with the same --out (det, then plain) end
+# with the whole table, for machines that limit one command's time.
 #
 # The model is LLaMA-3-8B's layer shape at hidden 2048 with 4 layers and
 # LLaMA-3's vocabulary (751M parameters, the issue's ~0.75B), bf16 with fp32
@@ -34,19 +39,21 @@
 # (runs gloo_det_a ... instead of nccl_det_a ...): it checks this script
 # (tests/test_determinism.py runs it), not GPUs.
 set -uo pipefail
-cpu=0 data="" out="runs/determinism_check/$(date +%Y-%m-%d_%H-%M-%S)" steps="" extra=()
+cpu=0 phase=all data="" out="runs/determinism_check/$(date +%Y-%m-%d_%H-%M-%S)" steps="" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) cpu=1 ;;
+    --phase) phase=$2; shift ;;
     --data) data=$2; shift ;;
     --out) out=$2; shift ;;
     --steps) steps=$2; shift ;;
-    -*) echo "determinism_check: unknown option $1 (usage: determinism_check.sh [--cpu] [--data PREFIX]" \
-             "[--out DIR] [--steps N] [OVERRIDE...])" >&2; exit 2 ;;
+    -*) echo "determinism_check: unknown option $1 (usage: determinism_check.sh [--cpu] [--phase all|det|plain]" \
+             "[--data PREFIX] [--out DIR] [--steps N] [OVERRIDE...])" >&2; exit 2 ;;
     *) extra+=("$1") ;;
   esac
   shift
 done
+case "$phase" in all|det|plain) ;; *) echo "determinism_check: --phase is all, det or plain, not $phase" >&2; exit 2 ;; esac
 py=${PYTHON:-python3}
 if [ "$cpu" = 1 ]; then
   ref=cpu_homogeneous mixed=cpu_mixed boundary=gloo steps=${steps:-5}
@@ -71,10 +78,24 @@ if [ -n "$data" ]; then common+=(data=megatron "data.path=$data" data.tokenizer=
 mkdir -p "$out"
 rows=() failed=0
 
-# run NAME ARGS...: one pretrain run into $out/NAME; its row: result, tracebacks, steps, median step time.
+# complete NAME: $out/NAME holds a run that logged its last step (an earlier call's).
+complete() {
+  "$py" - "$out/$1/metrics.jsonl" "$steps" <<'EOF' 2>/dev/null
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+sys.exit(0 if any(r.get("step") == int(sys.argv[2]) and "loss" in r for r in rows) else 1)
+EOF
+}
+
+# run NAME ARGS...: one pretrain run into $out/NAME (kept if complete already); its row: result,
+# tracebacks, median step time, wall time.
 run() {
   local name=$1; shift
   local log="$out/$name.log" start=$SECONDS status tb
+  if complete "$name"; then
+    kept "$name"
+    return
+  fi
   echo "== $name: python -m hetpipe.pretrain $*"
   "$py" -m hetpipe.pretrain "${common[@]}" "$@" "${extra[@]}" "hydra.run.dir=$out/$name" > "$log" 2>&1
   status=$?
@@ -83,6 +104,16 @@ run() {
   rows+=("| $name | $([ "$status" -eq 0 ] && [ "$tb" -eq 0 ] && echo ok || echo "FAILED (exit $status)") | $tb |\
  $(step_time "$out/$name") | $((SECONDS - start)) |")
   tail -n 1 "$log"
+}
+
+# kept NAME: the row of a run an earlier call made (or "not run" where there is none).
+kept() {
+  if complete "$1"; then
+    echo "== $1: kept from an earlier call ($out/$1)"
+    rows+=("| $1 | ok (earlier call) | $(grep -c Traceback "$out/$1.log" 2>/dev/null) | $(step_time "$out/$1") | - |")
+  else
+    rows+=("| $1 | not run (--phase $phase) | - | - | - |")
+  fi
 }
 
 # step_time DIR: median step_time_s of DIR's metrics.jsonl past the first 3 steps (warm-up, compilation).
@@ -112,19 +143,35 @@ said() {
 }
 
 det=(train.deterministic=true) b=$boundary
-run ${b}_det_a cluster=$ref "${det[@]}"
-run ${b}_det_b cluster=$ref "${det[@]}"
-run direct_det cluster=$mixed cluster.transport.kind=direct "${det[@]}"
-run tcp_det cluster=$mixed cluster.transport.kind=tcp "${det[@]}"
-run ${b}_a cluster=$ref
-run ${b}_b cluster=$ref
-run direct cluster=$mixed cluster.transport.kind=direct
-run tcp cluster=$mixed cluster.transport.kind=tcp
+deterministic_runs=(${b}_det_a ${b}_det_b direct_det tcp_det) plain_runs=(${b}_a ${b}_b direct tcp)
+if [ "$phase" != plain ]; then
+  run ${b}_det_a cluster=$ref "${det[@]}"
+  run ${b}_det_b cluster=$ref "${det[@]}"
+  run direct_det cluster=$mixed cluster.transport.kind=direct "${det[@]}"
+  run tcp_det cluster=$mixed cluster.transport.kind=tcp "${det[@]}"
+else
+  for name in "${deterministic_runs[@]}"; do kept "$name"; done
+fi
+if [ "$phase" != det ]; then
+  run ${b}_a cluster=$ref
+  run ${b}_b cluster=$ref
+  run direct cluster=$mixed cluster.transport.kind=direct
+  run tcp cluster=$mixed cluster.transport.kind=tcp
+else
+  for name in "${plain_runs[@]}"; do kept "$name"; done
+fi
 
-echo "== (a) and (b): deterministic runs against ${b}_det_a, bitwise"
-verdict deterministic "$out/${b}_det_a" "$out/${b}_det_b" "$out/direct_det" "$out/tcp_det" || failed=1
-echo "== (c): without deterministic mode, against ${b}_a, noise floor ${b}_a vs ${b}_b"
-verdict noise "$out/${b}_a" "$out/direct" "$out/tcp" --noise-ref "$out/${b}_b"
+all_complete() { local name; for name in "$@"; do complete "$name" || return 1; done; }
+if all_complete "${deterministic_runs[@]}"; then
+  echo "== (a) and (b): deterministic runs against ${b}_det_a, bitwise"
+  verdict deterministic "$out/${b}_det_a" "$out/${b}_det_b" "$out/direct_det" "$out/tcp_det" || failed=1
+elif [ "$phase" != plain ]; then
+  failed=1  # a deterministic run failed: no verdict
+fi
+if all_complete "${plain_runs[@]}"; then
+  echo "== (c): without deterministic mode, against ${b}_a, noise floor ${b}_a vs ${b}_b"
+  verdict noise "$out/${b}_a" "$out/direct" "$out/tcp" --noise-ref "$out/${b}_b"
+fi
 
 cost() {  # BOUNDARY PLAIN DETERMINISTIC: one row of the speed table
   local plain det
@@ -140,10 +187,10 @@ echo
 echo "| compared with | run | verdict |"
 echo "| --- | --- | --- |"
 for run in ${b}_det_b direct_det tcp_det; do
-  echo "| ${b}_det_a (deterministic) | $run | $(said "$out/deterministic.txt" $run) |"
+  echo "| ${b}_det_a (deterministic) | $run | $(said "$out/deterministic.txt" $run 2>/dev/null) |"
 done
 for run in direct tcp; do
-  echo "| ${b}_a, noise floor ${b}_b | $run | $(said "$out/noise.txt" $run) |"
+  echo "| ${b}_a, noise floor ${b}_b | $run | $(said "$out/noise.txt" $run 2>/dev/null) |"
 done
 echo
 echo "| boundary | step s | step s deterministic | cost |"

@@ -147,11 +147,14 @@ def test_a_deterministic_run_says_so_in_its_rows_banner_and_checkpoint(tmp_path,
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory, corpus_prefix):
+    """The script's CPU path in two calls, as on a machine that limits one command's time:
+    the deterministic runs, then the others into the same directory."""
     out = tmp_path_factory.mktemp("determinism_check")
     env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "determinism_check.sh"), "--cpu", "--data", corpus_prefix,
-                           "--out", str(out)], cwd=REPO, env=env, text=True, capture_output=True, timeout=400)
-    return out, proc
+    calls = [subprocess.run(["bash", str(REPO / "scripts" / "determinism_check.sh"), "--cpu", "--phase", phase,
+                             "--data", corpus_prefix, "--out", str(out)], cwd=REPO, env=env, text=True,
+                            capture_output=True, timeout=300) for phase in ("det", "plain")]
+    return out, calls[1], calls[0]
 
 
 def _tables(stdout):
@@ -177,11 +180,18 @@ def _rows(run_dir):
 
 @pytest.mark.timeout(420)
 def test_check_script_cpu_path_proves_bitwise_runs_and_prints_the_cost_last(check):
-    out, proc = check
+    out, proc, first = check
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    runs, verdicts, cost = _tables(first.stdout)[-3:]
+    assert [r[1] for r in runs[1:]] == ["ok"] * 4 + ["not run (--phase det)"] * 4
+    assert [r[2] for r in verdicts[1:]] == ["PASS (bitwise identical; deterministic runs)"] * 3 + ["", ""]
+    assert [r[1] for r in cost[1:]] == ["-"] * 3
+    # The second call keeps the first's runs and ends with every table whole.
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     runs, verdicts, cost = _tables(proc.stdout)[-3:]
-    assert [r[:2] for r in runs[1:]] == [[name, "ok"] for name in (
-        "gloo_det_a", "gloo_det_b", "direct_det", "tcp_det", "gloo_a", "gloo_b", "direct", "tcp")]
+    assert [r[:2] for r in runs[1:]] == [[name, "ok (earlier call)"] for name in (
+        "gloo_det_a", "gloo_det_b", "direct_det", "tcp_det")] + [[name, "ok"] for name in (
+        "gloo_a", "gloo_b", "direct", "tcp")]
     assert [r[1:] for r in verdicts[1:]] == [
         ["gloo_det_b", "PASS (bitwise identical; deterministic runs)"],
         ["direct_det", "PASS (bitwise identical; deterministic runs)"],
@@ -208,7 +218,7 @@ def noisy(check, tmp_path_factory):
     summation order (micro-batch size 1 or 4 instead of 2: the same gradients,
     rounded otherwise), with and without the mode; and one whose learning rate is
     0.1 % higher: a real difference, small but far beyond rounding."""
-    out, proc = check
+    out, proc, _ = check
     assert proc.returncode == 0
     given = yaml.safe_load((out / "gloo_a" / ".hydra" / "overrides.yaml").read_text())
     base = [o for o in given if not o.startswith(("cluster=", "partition.layers=", "train.micro_batch_size="))]
@@ -234,7 +244,7 @@ def _verdicts(stdout):
 
 @pytest.mark.timeout(420)
 def test_compare_fails_only_beyond_the_noise_floor(check, noisy):
-    out, _ = check
+    out = check[0]
     ref, noise = out / "gloo_a", noisy["mbs4"]
     proc = run_cli(["-m", "hetpipe.compare", str(ref), str(noisy["mbs1"]), str(noisy["lr"]), "--noise-ref", str(noise),
                     "--out", str(out / "noise_report")])
@@ -257,7 +267,7 @@ def test_compare_fails_only_beyond_the_noise_floor(check, noisy):
 
 @pytest.mark.timeout(420)
 def test_two_deterministic_runs_must_be_bitwise_whatever_the_noise(check, noisy):
-    out, _ = check
+    out = check[0]
     # Rounding-level apart, within the noise floor - but both deterministic: not noise, a difference.
     proc = run_cli(["-m", "hetpipe.compare", str(out / "gloo_det_a"), str(noisy["mbs4_det"]), str(out / "tcp_det"),
                     "--noise-ref", str(noisy["mbs4"])])
