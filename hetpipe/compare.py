@@ -1,15 +1,19 @@
-"""``python -m hetpipe.compare RUN_A RUN_B [...] [--rtol R] [--out DIR]``: loss-curve parity.
+"""``python -m hetpipe.compare RUN_A RUN_B [...] [--rtol R | --noise-ref RUN_A2] [--out DIR]``: loss-curve parity.
 
 Reads each run's metrics (a run directory's ``metrics.jsonl`` or a JSONL file
 given directly), aligns the runs by step, prints each run's summary and
 compares every run with the first (the reference) on their common steps: max
 and mean absolute and relative loss difference and the final-loss relative
-error, with a verdict against ``--rtol`` (0 demands bitwise-identical curves).
-The training curve comes from rows with ``loss``; where both runs also have
-validation rows (``val_loss``), their validation curves are compared the same
-way and count towards the verdict. Optionally writes a PNG of the curves and
-their difference from the reference, and a Markdown table. Exits 1 when a
-verdict fails and 2 when a run cannot be read, so scripts and CI can rely on it.
+error, with a verdict (hetpipe.compare_verdict): against ``--rtol`` where
+given; bitwise identical for two runs of ``train.deterministic=true``;
+beyond the noise floor fails with ``--noise-ref`` (a second run of the
+reference's configuration, whose difference from the reference is shown
+beside each verdict); else bitwise identical. The training curve comes from
+rows with ``loss``; where both runs also have validation rows (``val_loss``),
+their validation curves are compared the same way and count towards the
+verdict. Optionally writes a PNG of the curves and their difference from the
+reference, and a Markdown table. Exits 1 when a verdict fails and 2 when a run
+cannot be read, so scripts and CI can rely on it.
 
 Parity is the claim that a mixed-vendor pipeline trains exactly like a
 homogeneous one; a loss curve is the cheapest evidence of it, and the
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from hetpipe.compare_verdict import NOISE_K, TRAINING, VALIDATION, Judge
 from hetpipe.errors import HetpipeError, run_cli
 
 
@@ -45,6 +50,11 @@ class Run:
     @property
     def val_loss(self) -> dict[int, float]:
         return {step: float(row["val_loss"]) for step, row in self.val_rows.items()}
+
+    @property
+    def deterministic(self) -> bool:
+        """Every training row was written by a ``train.deterministic=true`` run."""
+        return all(row.get("deterministic") is True for row in self.rows.values())
 
     def median(self, key: str) -> Optional[float]:
         # The median, not the mean: the first log interval carries warm-up
@@ -164,10 +174,6 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _verdict(c: Comparison, rtol: float) -> str:
-    return ("PASS" if c.passes(rtol) else "FAIL") + (" (bitwise identical)" if c.identical else "")
-
-
 def _final(curve: dict[int, float]) -> Optional[float]:
     return curve[max(curve)] if curve else None
 
@@ -178,8 +184,34 @@ def _training_only(reference: Run, run: Run) -> str:
     return f"training only: no validation rows in {' and '.join(lacking)}"
 
 
-def print_report(runs: list[Run], comparisons: list[Comparison], validations: list[Optional[Comparison]],
-                 rtol: float, ok: bool) -> None:
+@dataclass
+class Report:
+    """Every run, each pair's comparisons and how they are judged."""
+    runs: list[Run]
+    comparisons: list[Comparison]
+    validations: list[Optional[Comparison]]
+    judge: Judge
+
+    def verdicts(self) -> list[tuple[Run, str, Comparison]]:
+        pairs = [(run, TRAINING, c) for run, c in zip(self.runs[1:], self.comparisons)]
+        return pairs + [(run, VALIDATION, v) for run, v in zip(self.runs[1:], self.validations) if v is not None]
+
+    @property
+    def ok(self) -> bool:
+        return all(self.judge.verdict(self.runs[0], run, metric, c).ok for run, metric, c in self.verdicts())
+
+    def verdict(self, run: Run, metric: str, c: Comparison) -> str:
+        return self.judge.verdict(self.runs[0], run, metric, c).text
+
+    def deterministic_runs(self) -> list[str]:
+        return [run.label for run in self.runs if run.deterministic]
+
+    def summary(self) -> str:
+        return f"{self.judge.describe()}: {'all runs agree' if self.ok else 'curves differ beyond tolerance'}"
+
+
+def print_report(report: Report) -> None:
+    runs, judge = report.runs, report.judge
     print(f"{'run':<40} {'steps':>6} {'first loss':>11} {'final loss':>11} {'med tok/s':>10} "
           f"{'med TFLOP/s':>11} {'val steps':>9} {'final val':>10}")
     for run in runs:
@@ -187,35 +219,52 @@ def print_report(runs: list[Run], comparisons: list[Comparison], validations: li
         print(f"{run.label[-40:]:<40} {len(loss):>6} {loss[min(loss)]:>11.6f} {loss[max(loss)]:>11.6f} "
               f"{_fmt(run.median('tokens_per_s'), '.4g'):>10} {_fmt(run.median('tflops_per_device'), '.4g'):>11} "
               f"{len(run.val_rows):>9} {_fmt(_final(run.val_loss), '.6f'):>10}")
+    if report.deterministic_runs():
+        print(f"deterministic (train.deterministic=true): {', '.join(report.deterministic_runs())}; "
+              "two of them pass only bitwise identical")
     print(f"\nreference: {runs[0].label} ({runs[0].source})")
+    if judge.noise_ref is not None:
+        print(f"noise floor: {runs[0].label} against {judge.noise_ref}, a second run of its configuration "
+              f"(floor max and mean relative difference); a run fails beyond {judge.k:g}x it")
+    floor_header = f" {'floor max':>10} {'floor mean':>10}" if judge.noise_ref is not None else ""
     header = (f"{'compared':>8} {'missing':>7} {'max |d|':>10} {'mean |d|':>10} {'max rel':>10} "
-              f"{'mean rel':>10} {'final rel':>10}  verdict")
+              f"{'mean rel':>10} {'final rel':>10}{floor_header}  verdict")
 
-    def line(run: Run, c: Comparison) -> str:
+    def line(run: Run, metric: str, c: Comparison) -> str:
+        floors = "".join(f" {cell:>10}" for cell in judge.floor_cells(metric)) if floor_header else ""
         return (f"{run.label[-40:]:<40} {c.compared:>8} {c.missing:>7} {c.max_abs:>10.3e} {c.mean_abs:>10.3e} "
-                f"{c.max_rel:>10.3e} {c.mean_rel:>10.3e} {c.final_rel:>10.3e}  {_verdict(c, rtol)}")
+                f"{c.max_rel:>10.3e} {c.mean_rel:>10.3e} {c.final_rel:>10.3e}{floors}  "
+                f"{report.verdict(run, metric, c)}")
 
     print(f"{'training loss':<40} {header}")
-    for run, c in zip(runs[1:], comparisons):
-        print(line(run, c))
+    for run, c in zip(runs[1:], report.comparisons):
+        print(line(run, TRAINING, c))
     if not any(run.val_rows for run in runs):
         print("validation loss: training only, no run has validation rows")
     else:
         print(f"{'validation loss':<40} {header}")
-        for run, v in zip(runs[1:], validations):
-            print(line(run, v) if v else f"{run.label[-40:]:<40} {_training_only(runs[0], run)}")
-    print(f"\nrtol={rtol}: {'all runs agree' if ok else 'curves differ beyond tolerance'}")
+        for run, v in zip(runs[1:], report.validations):
+            print(line(run, VALIDATION, v) if v else f"{run.label[-40:]:<40} {_training_only(runs[0], run)}")
+    print(f"\n{report.summary()}")
 
 
-def markdown_report(runs: list[Run], comparisons: list[Comparison], validations: list[Optional[Comparison]],
-                    rtol: float, ok: bool) -> str:
+def _rule_words(judge: Judge) -> str:
+    if judge.noise_ref is not None and judge.rtol is None:
+        return (f"a run fails when its max or mean relative loss difference exceeds {judge.k:g}x the noise floor, "
+                f"the reference against `{judge.noise_ref}`; two deterministic runs must be bitwise identical")
+    if judge.rtol:
+        return "max relative loss difference"
+    return "bitwise identical"
+
+
+def markdown_report(report: Report) -> str:
     """One row per run, then one row per run compared with the reference:
     a table for training loss and, where runs have validation rows, one for
     validation loss."""
+    runs, judge = report.runs, report.judge
     lines = ["# Loss-curve parity", "",
-             f"Reference: `{runs[0].label}`. Tolerance: rtol={rtol} "
-             f"({'bitwise identical' if rtol == 0 else 'max relative loss difference'}). "
-             f"Verdict: **{'PASS' if ok else 'FAIL'}**.", "",
+             f"Reference: `{runs[0].label}`. Rule: {judge.describe()} ({_rule_words(judge)}). "
+             f"Verdict: **{'PASS' if report.ok else 'FAIL'}**.", "",
              "| run | source | steps | first loss | final loss | median tokens/s | median TFLOP/s/device | "
              "validation steps | final validation loss |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -225,26 +274,32 @@ def markdown_report(runs: list[Run], comparisons: list[Comparison], validations:
                      f"{loss[max(loss)]:.6f} | {_fmt(run.median('tokens_per_s'), '.4g')} | "
                      f"{_fmt(run.median('tflops_per_device'), '.4g')} | {len(run.val_rows)} | "
                      f"{_fmt(_final(run.val_loss), '.6f')} |")
+    if report.deterministic_runs():
+        lines += ["", f"Deterministic runs (`train.deterministic=true`): "
+                      f"{', '.join(f'`{name}`' for name in report.deterministic_runs())}."]
+    noise = judge.noise_ref is not None
     columns = ("compared steps | missing steps | max abs diff | mean abs diff | max rel diff | mean rel diff | "
-               "final rel err | verdict |")
-    rule = "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+               f"final rel err | {'floor max rel | floor mean rel | ' if noise else ''}verdict |")
+    rule = "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if noise else "") + " --- |"
 
-    def row(run: Run, c: Comparison) -> str:
+    def row(run: Run, metric: str, c: Comparison) -> str:
+        floors = "".join(f"{cell} | " for cell in judge.floor_cells(metric)) if noise else ""
         return (f"| {run.label} | {c.compared} | {c.missing} | {c.max_abs:.3e} | {c.mean_abs:.3e} | "
-                f"{c.max_rel:.3e} | {c.mean_rel:.3e} | {c.final_rel:.3e} | {_verdict(c, rtol)} |")
+                f"{c.max_rel:.3e} | {c.mean_rel:.3e} | {c.final_rel:.3e} | {floors}{report.verdict(run, metric, c)} |")
 
     lines += ["", f"| run vs reference | {columns}", rule]
-    lines += [row(run, c) for run, c in zip(runs[1:], comparisons)]
+    lines += [row(run, TRAINING, c) for run, c in zip(runs[1:], report.comparisons)]
     if not any(run.val_rows for run in runs):
         lines += ["", "Validation: training only, no run has validation rows."]
     else:
+        dashes = "- | " * (9 if noise else 7)
         lines += ["", f"| run vs reference (validation) | {columns}", rule]
-        lines += [row(run, v) if v else f"| {run.label} | - | - | - | - | - | - | - | "
-                  f"{_training_only(runs[0], run)} |" for run, v in zip(runs[1:], validations)]
+        lines += [row(run, VALIDATION, v) if v else f"| {run.label} | {dashes}{_training_only(runs[0], run)} |"
+                  for run, v in zip(runs[1:], report.validations)]
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(runs: list[Run], rtol: float, ok: bool, path: Path) -> None:
+def plot_curves(runs: list[Run], title: str, path: Path) -> None:
     """Loss against step for every run above, loss minus the reference's
     below (on the steps both logged); validation loss likewise in a second
     column where runs have validation rows."""
@@ -283,14 +338,14 @@ def plot_curves(runs: list[Run], rtol: float, ok: bool, path: Path) -> None:
         top.legend()
         bottom.set_xlabel("step")
         bottom.set_ylabel(f"{name} − {runs[0].label}")
-    fig.suptitle(f"rtol={rtol}: {'PASS' if ok else 'FAIL'}")
+    fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=120)
 
 
 # ------------------------------------------------------------------------ CLI
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hetpipe.compare", description=__doc__.split("\n\n")[1],
         epilog="Every run is compared with the first one; runs with different step sets are "
@@ -298,39 +353,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+",
                         help="run directories (their metrics.jsonl) or metrics JSONL files; "
                              "the first is the reference")
-    parser.add_argument("--rtol", type=float, default=0.0,
+    parser.add_argument("--rtol", type=float, default=None,
                         help="largest per-step relative loss difference, training or validation, that "
-                             "passes (0: bitwise identical)")
+                             "passes, for every pair (0: bitwise identical; the default unless --noise-ref)")
+    parser.add_argument("--noise-ref", metavar="RUN",
+                        help="a second run of the reference's configuration: its difference from the "
+                             "reference is the noise floor, shown beside each verdict, and a run fails only "
+                             "beyond --noise-k times it (two train.deterministic runs: bitwise still)")
+    parser.add_argument("--noise-k", type=float, default=NOISE_K,
+                        help=f"how many noise floors a run may differ by (default {NOISE_K:g}; "
+                             "hetpipe/compare_verdict.py says why)")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="write compare.png and compare.md into DIR")
     parser.add_argument("--plot", type=Path, metavar="PATH.png",
                         help="write the curves and their difference from the reference here (overrides --out's)")
     parser.add_argument("--markdown", type=Path, metavar="PATH.md",
                         help="write the summary tables here (overrides --out's)")
+    return parser
+
+
+def build_report(specs: list[str], rtol: Optional[float], noise_ref: Optional[str], k: float) -> Report:
+    """Read the runs (and the noise run), compare each with the first, and say how they are judged."""
+    labels = run_labels([*specs, *([noise_ref] if noise_ref else [])])
+    runs = [load_run(spec, label) for spec, label in zip(specs, labels)]
+    judge = Judge(rtol=rtol, k=k)
+    if noise_ref is not None:
+        noise = load_run(noise_ref, labels[-1])
+        judge.noise_ref = noise.label
+        judge.floors[TRAINING] = compare_runs(runs[0], noise)
+        floor = compare_validation(runs[0], noise)
+        if floor is not None:
+            judge.floors[VALIDATION] = floor
+    return Report(runs, [compare_runs(runs[0], run) for run in runs[1:]],
+                  [compare_validation(runs[0], run) for run in runs[1:]], judge)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give at least two runs")
-    if args.rtol < 0:
+    if args.rtol is not None and args.rtol < 0:
         parser.error("--rtol must be >= 0")
+    if args.noise_k <= 0:
+        parser.error("--noise-k must be > 0")
     plot_path = args.plot or (args.out / "compare.png" if args.out else None)
     markdown_path = args.markdown or (args.out / "compare.md" if args.out else None)
 
     def _run() -> int:
-        runs = [load_run(spec, label) for spec, label in zip(args.runs, run_labels(args.runs))]
-        comparisons = [compare_runs(runs[0], run) for run in runs[1:]]
-        validations = [compare_validation(runs[0], run) for run in runs[1:]]
-        ok = all(c.passes(args.rtol) for c in [*comparisons, *validations] if c is not None)
-        print_report(runs, comparisons, validations, args.rtol, ok)
+        report = build_report(args.runs, args.rtol, args.noise_ref, args.noise_k)
+        print_report(report)
         # Written whatever the verdict: a failing run's plot is the one worth reading.
         if markdown_path:
             markdown_path.parent.mkdir(parents=True, exist_ok=True)
-            markdown_path.write_text(markdown_report(runs, comparisons, validations, args.rtol, ok),
-                                     encoding="utf-8")
+            markdown_path.write_text(markdown_report(report), encoding="utf-8")
             print(f"wrote {markdown_path}")
         if plot_path:
-            plot_curves(runs, args.rtol, ok, plot_path)
+            plot_curves(report.runs, report.summary(), plot_path)
             print(f"wrote {plot_path}")
-        return 0 if ok else 1
+        return 0 if report.ok else 1
 
     return run_cli(_run)
 

@@ -6,7 +6,8 @@ read it, so it is written first and the same rows go everywhere else. A
 training row carries ``loss``; a validation row is a row of its own with
 ``val_loss`` and ``val_ppl`` (no ``loss``), so readers of training curves
 can keep selecting rows by ``loss``; an event row (a skipped non-finite
-step, a restart, a preemption) has ``event`` and no ``loss``. wandb and TensorBoard are mirrors for
+step, a restart, a preemption) has ``event`` and no ``loss``. A training row of
+a ``train.deterministic`` run carries ``"deterministic": true``. wandb and TensorBoard are mirrors for
 dashboards and get the same values under ``train/<key>`` and ``val/<key>``.
 
 Values stay on the device until a log interval ends, so logging adds one host
@@ -62,6 +63,9 @@ class RunShape:
     log_interval: int = 10
     # Whether TFLOP/s means something here: false on a CPU without a given peak.
     reports_flops: bool = True
+    # train.deterministic: every training row says so (python -m hetpipe.compare
+    # then demands bitwise-equal curves of two such runs).
+    deterministic: bool = False
 
 
 @dataclass
@@ -166,6 +170,8 @@ class MetricsLogger:
                "consumed_samples": p.consumed_samples, "step_time_s": p.step_time_s,
                "tokens_per_s": self.shape.tokens_per_step / p.step_time_s}
         row.update(self._flops_fields(p.step_time_s))
+        if self.shape.deterministic:
+            row["deterministic"] = True
         return row
 
     def _flops_fields(self, step_time: float) -> dict[str, float]:
@@ -214,7 +220,7 @@ class MetricsLogger:
         mirrors as ``<section>/<key>`` (``val_loss`` as ``val/loss``)."""
         self._file.write(json.dumps(row) + "\n")
         scalars = {f"{section}/{key.removeprefix(section + '_')}": value for key, value in row.items()
-                   if key != "step" and isinstance(value, (int, float))}
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self._wandb is not None:
             self._wandb.log(scalars, step=row["step"])
         if self._tensorboard is not None:

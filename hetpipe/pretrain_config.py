@@ -64,6 +64,16 @@ class TrainConfig:
     # others stay allowed behind it, so a rank that lacks it (cuDNN on ROCm)
     # falls back rather than failing (Megatron's --attention-backend).
     attention_backend: str = "auto"
+    # Two runs of one configuration on one machine give the same bits:
+    # deterministic kernels (torch.use_deterministic_algorithms; an op without
+    # one fails in one line), cuBLAS's fixed workspace, NCCL/RCCL fixed to Ring
+    # and Simple, SDPA backends with a deterministic backward (flash, not
+    # cuDNN), no GEMM SM carveout; hetpipe/determinism.py says why each. Two
+    # NCCL runs on 2xH100 (0.75B LLaMA-3 shape, bf16, 200 steps) otherwise
+    # differed by up to 1.8e-2 relative in loss, which hides a channel's
+    # parity (issue 31). Costs speed (flash instead of cuDNN attention above
+    # all): scripts/determinism_check.sh measures it; not yet on GPUs.
+    deterministic: bool = False
     # Profile this optimizer step (1-based) on GPU ranks: each writes
     # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
     profile_step: Optional[int] = None

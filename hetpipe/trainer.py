@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -38,7 +36,8 @@ from hetpipe.launch.local import launch
 from hetpipe.launch.preemption import PreemptionWatch, write_marker
 from hetpipe.launch.rank_env import rank_env, restart_attempt, under_torchrun
 from hetpipe.launch.restart import resume_setting
-from hetpipe import memory_fit
+from hetpipe import determinism, memory_fit
+from hetpipe.determinism import seed_everything
 from hetpipe.metrics import MetricsLogger, RunShape
 from hetpipe.nonfinite import NonFiniteGuard
 from hetpipe.sample_log import SampleLog
@@ -95,12 +94,13 @@ def _warmup_lr(step: int, opt: OptimizerConfig) -> float:
     return opt.lr_warmup_init + (opt.lr - opt.lr_warmup_init) * done / opt.lr_warmup_iters
 
 
-def _trainer_state(opt: OptimizerConfig, skipped_steps: int) -> dict[str, Any]:
+def _trainer_state(cfg: PretrainConfig, skipped_steps: int) -> dict[str, Any]:
     """What the trainer keeps in a checkpoint's trainer_state.json ("extra"): the warmup
-    convention its steps followed, and how many steps were skipped (the learning rate
-    counts applied updates only). A checkpoint without the convention predates
-    Megatron's: it was written by a run that warmed up one step ahead."""
-    return {"lr_warmup_style": opt.lr_warmup_style, "skipped_steps": skipped_steps}
+    convention its steps followed, how many steps were skipped (the learning rate counts
+    applied updates only), whether they ran train.deterministic. A checkpoint without the
+    convention predates Megatron's: it was written by a run that warmed up one step ahead."""
+    return {"lr_warmup_style": cfg.optimizer.lr_warmup_style, "skipped_steps": skipped_steps,
+            "deterministic": cfg.train.deterministic}
 
 
 def _resume_trainer_state(saved: Any, opt: OptimizerConfig, rank: int, guard: NonFiniteGuard) -> None:
@@ -120,12 +120,6 @@ def _note_warmup_change(saved: Any, opt: OptimizerConfig, rank: int) -> None:
     print(f"hetpipe: note: the warmup convention changed: this checkpoint {old}; the run goes on with "
           f"optimizer.lr_warmup_style={opt.lr_warmup_style} (steps past optimizer.lr_warmup_iters are "
           f"unaffected; optimizer.lr_warmup_style={before} keeps the old one)", flush=True)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig, device: torch.device,
@@ -178,7 +172,8 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     validation_loader(cfg)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
     # The ranks run the plan decided here (plan=auto solves once, not per rank).
-    return launch(cfg.cluster, run_rank, cfg_dict, plan.to_yaml(), str(run_dir), max_restarts=cfg.train.max_restarts)
+    return launch(cfg.cluster, run_rank, cfg_dict, plan.to_yaml(), str(run_dir), max_restarts=cfg.train.max_restarts,
+                  env=determinism.launch_env(cfg.train.deterministic))
 
 
 def _loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> MicrobatchLoader:
@@ -194,11 +189,13 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
     quiet_known_warnings()
     cfg = resolve(cfg_dict)
     rank, world, local_rank = rank_env()
+    determinism.apply(cfg.train.deterministic, rank)  # before this rank's first device work
     plan = Plan.from_dict(yaml.safe_load(plan_yaml))
     topo = Topology(cfg.cluster, plan, rank, world, local_rank, catalog_with(dict(cfg.planner.catalog or {})))
     progress = memory_fit.Progress()
     try:
-        with memory_fit.out_of_memory_reported(topo, progress, plan, cfg):  # start-up's; the loop reports its own
+        # Out of memory: start-up's (the loop reports its own); an op with no deterministic variant: any.
+        with memory_fit.out_of_memory_reported(topo, progress, plan, cfg), determinism.refusals_reported():
             return _train_loop(cfg, plan, topo, Path(run_dir), progress)
     finally:
         topo.close()
@@ -217,7 +214,7 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
         if topo.tp_size > 1:
             chunk = parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
                                        sequence_parallel=cfg.partition.sequence_parallel)
-        set_attention_backend(chunk, cfg.train.attention_backend)
+        set_attention_backend(chunk, cfg.train.attention_backend, cfg.train.deterministic)
         stage = plan.stages[v]
         set_recompute(chunk, stage.recompute, stage.recompute_num_layers)
         if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
@@ -327,7 +324,7 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
     _check_memory(cfg, plan, topo)
-    carveout = topo.apply_gemm_sm_carveout()
+    carveout = determinism.gemm_sm_carveout(topo, t.deterministic)
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
@@ -380,7 +377,7 @@ def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
     shape = RunShape(total_steps=t.train_iters, tokens_per_step=r.loader.tokens_per_step,
                      flops_per_step=megatron_model_flops(cfg.model, t.global_batch_size, t.seq_length),
                      num_devices=topo.world_size, peak_tflops=peak, log_interval=t.log_interval,
-                     reports_flops=topo.device.type != "cpu" or peak is not None)
+                     reports_flops=topo.device.type != "cpu" or peak is not None, deterministic=t.deterministic)
     logger = MetricsLogger(run_dir, shape, cfg.logging, start_step=start,
                            wandb_config=OmegaConf.to_container(OmegaConf.create(resolved)),
                            straggler=StragglerReport(_stage_of_ranks(topo)) if cfg.logging.straggler else None,
@@ -395,6 +392,7 @@ def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
           f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
           f"layers per stage {layers}, {parallel}, {r.plan.schedule}, {r.precision}"
           f"{' (compiled layers)' if t.compile else ' (fused elementwise)' if r.fused else ''}, "
+          f"{determinism.describe(t.deterministic)}"
           f"{f'GEMMs leave {r.carveout} SMs to the NCCL boundary, ' if r.carveout else ''}"
           f"{r.loader.num_microbatches} microbatches/step per DP rank, {r.loader.tokens_per_step} tokens/step, "
           f"run dir {run_dir}", flush=True)
@@ -478,7 +476,7 @@ def _save_if_due(r: _Rank, logger: Optional[MetricsLogger], step: int, stopping:
         if logger is not None:
             logger.flush()  # metrics up to the checkpoint are on disk with it
         # Each rank writes its own shards in the background; the step waits for a host copy.
-        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict(), _trainer_state(r.cfg.optimizer, skipped_steps))
+        r.saver.save(step, r.chunks, r.optimizer, r.loader.state_dict(), _trainer_state(r.cfg, skipped_steps))
     return stopping
 
 

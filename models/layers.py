@@ -176,14 +176,26 @@ def qk_norm_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
-def sdpa_preference(backend: str) -> Optional[tuple]:
+def sdpa_preference(backend: str, deterministic: bool = False) -> Optional[tuple]:
     """The SDPA backends to try, best first, for ``train.attention_backend``
     (None: torch's own order). The chosen one goes first and the others stay
     allowed behind it, so a rank whose build or GPU lacks it (cuDNN on ROCm, a
     shape the kernel refuses) runs the next one instead of failing: one
-    setting serves every vendor group of a mixed cluster."""
+    setting serves every vendor group of a mixed cluster.
+
+    ``deterministic`` (train.deterministic) keeps only backends whose backward
+    is deterministic under ``torch.use_deterministic_algorithms(True)``, flash
+    first where the choice was auto or cudnn: flash's backward then takes
+    FlashAttention-2's deterministic path, efficient's splits no keys (CUDA:
+    torch forces ``num_splits_key=1``), math is plain ops; cuDNN's backward has
+    no deterministic mode in torch 2.11-2.15 (torch skips it under the flag,
+    and a cuDNN-only choice raises). ROCm builds also leave efficient out:
+    torch's CK path for it passes ``deterministic=false`` whatever the flag
+    (pytorch/pytorch#197771, open)."""
     if backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"train.attention_backend={backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if deterministic:
+        return _deterministic_sdpa(backend)
     if backend == "auto":
         return None
     order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -191,9 +203,19 @@ def sdpa_preference(backend: str) -> Optional[tuple]:
     return (order[backend],) + tuple(b for name, b in order.items() if name != backend)
 
 
-def set_attention_backend(model: nn.Module, backend: str) -> None:
-    """Make every attention module of ``model`` prefer SDPA backend ``backend``."""
-    preference = sdpa_preference(backend)
+def _deterministic_sdpa(backend: str) -> tuple:
+    order = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "math": SDPBackend.MATH}
+    if torch.version.hip:
+        del order["efficient"]
+    first = order.get(backend, SDPBackend.FLASH_ATTENTION)
+    return (first,) + tuple(b for b in order.values() if b != first)
+
+
+def set_attention_backend(model: nn.Module, backend: str, deterministic: bool = False) -> None:
+    """Make every attention module of ``model`` prefer SDPA backend ``backend``
+    (among the deterministic ones when ``deterministic``)."""
+    preference = sdpa_preference(backend, deterministic)
     for module in model.modules():
         if isinstance(module, Attention):
             module.sdpa_backends = preference

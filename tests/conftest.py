@@ -40,7 +40,7 @@ LONGEST_MODULES_FIRST = (
     "test_parallel_cli.py", "test_pipeline.py", "test_checkpoint_resume.py", "test_zero_bubble.py",
     "test_checkpoint_nodes.py", "test_launcher_restart.py", "test_long_runs.py", "test_mooncake_mover.py",
     "test_compare_harness.py", "test_node_faults.py", "test_fused.py", "test_doctor.py", "test_precision.py",
-    "test_scheduler_env.py",
+    "test_scheduler_env.py", "test_determinism.py",
 )
 
 

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
@@ -43,8 +43,9 @@ from hetpipe.launch.job_secret import provide_local_secret
 from hetpipe.launch.rank_env import restart_attempt, under_torchrun
 
 
-def _worker(fn: Callable[..., Any], args: tuple) -> Any:
+def _worker(fn: Callable[..., Any], args: tuple, env: Optional[dict[str, str]] = None) -> Any:
     """One rank: a failure ends it (and the job) with one line and its status (:func:`stop_rank`).
+    ``env`` joins its environment first (a forked rank has the fork server's, not the launcher's).
 
     ``HETPIPE_STACK_DUMP_S=N`` makes every rank print all its threads' stacks
     after N seconds - the quickest way to see where a hung job waits.
@@ -52,6 +53,7 @@ def _worker(fn: Callable[..., Any], args: tuple) -> Any:
     # Not at the top: job_watch imports torch, and a CLI imports this module for prestart() before torch.
     from hetpipe.launch.job_watch import stop_rank
 
+    os.environ.update(env or {})
     _restore_signals()
     _share_cores()
     if os.environ.get("HETPIPE_STACK_DUMP_S"):
@@ -105,8 +107,10 @@ def _left_preemption_marker() -> bool:
     return directory is not None and (directory / f"rank{os.environ.get('RANK', '0')}.json").is_file()
 
 
-def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_restarts: int = 0) -> Any:
-    """Run ``fn(*args)`` on every rank of ``cluster``; returns rank 0's result.
+def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_restarts: int = 0,
+           env: Optional[dict[str, str]] = None) -> Any:
+    """Run ``fn(*args)`` on every rank of ``cluster``, with ``env`` in its environment
+    before ``fn`` starts (train.deterministic's variables); returns rank 0's result.
 
     Under torchrun (or another launcher that sets the torch env) this process
     is one rank and runs ``fn`` directly; torchrun's ``--max-restarts`` must
@@ -127,9 +131,10 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
             raise ConfigError(f"train.max_restarts={max_restarts} but torchrun was started with --max-restarts "
                               f"{started}: make them equal (launch_cluster.sh takes HETPIPE_MAX_RESTARTS, "
                               "or train.max_restarts from its command line)")
-        return _worker(fn, args)
+        return _worker(fn, args, env)
     if world == 1 and max_restarts == 0:
         _stop_fork_server()  # started early (prestart) for a job that needs no ranks: free its core
+        os.environ.update(env or {})
         return fn(*args)
     if not cluster.single_node:
         raise ConfigError(f"cluster {cluster.name!r} spans several nodes: start it with one torchrun per "
@@ -147,7 +152,7 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, monitor_interval=0.2,
         start_method="forkserver", signals_to_handle=HANDLED_SIGNALS)
     quiet_torch_launcher()
-    return agent_run(lambda: elastic_launch(config, _worker)(fn, args))[0]
+    return agent_run(lambda: elastic_launch(config, _worker)(fn, args, env))[0]
 
 
 def prestart(argv: Sequence[str]) -> None:
