@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.errors import ConfigError
+from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.launch.job_secret import provide_local_secret
 from hetpipe.launch.rank_env import restart_attempt, under_torchrun
 
@@ -162,7 +162,10 @@ def prestart(argv: Sequence[str]) -> None:
     (--help, --cfg) does not start it."""
     if under_torchrun() or any(a.split("=")[0] in _PRINT_ONLY for a in argv):
         return
-    provide_local_secret(os.environ)  # the ranks inherit the server's environment
+    try:
+        provide_local_secret(os.environ)  # the ranks inherit the server's environment
+    except HetpipeError:
+        return  # launch() meets it again and says it in one line, exit 2
     _start_fork_server()
 
 
