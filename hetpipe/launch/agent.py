@@ -18,6 +18,10 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
   instead of the connection it lost (those wait ``job_watch._GRACE_S`` for a
   better cause), and prints it itself. A rank that exited 1, 2, 3 or 4 printed
   its own line; the launcher adds none and exits with that status.
+* **A rank that hangs** while its attempt fails - stopped, or deaf to
+  SIGTERM - is SIGKILLed (a stopped one at once, another after
+  :data:`_HANG_GRACE_S`) instead of after torch's 30 s
+  (:mod:`hetpipe.launch.hung_ranks`), and left out of the cause.
 * **Restarts** (``max_restarts``: torch's): one line each, naming the cause;
   none after a rank ran out of device memory (status 4), which would recur.
 * **Each attempt's environment**, set before its ranks start:
@@ -65,6 +69,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, error_line
 from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
+from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
 from hetpipe.launch.rank_env import ATTEMPT_ENV
@@ -90,6 +95,13 @@ _SETTLE_S = 0.5
 # Connecting to the job's store (node 0's agent hosts it): a store that does
 # not answer within this is gone, and the cause is printed without posting it.
 _STORE_TIMEOUT_S = 5.0
+# Once an attempt is failing, how long its ranks may take to leave before
+# SIGKILL (a stopped one gets it at once; hetpipe.launch.hung_ranks). A rank
+# that still runs then may be waiting up to 2 s for a better cause than its
+# own and lingering 1 s after its line (job_watch._GRACE_S, _LINGER_S): 2 s
+# more for a busy machine. A frozen rank's job (deadline 8 s, two busy cores)
+# ended 13 s after the freeze instead of 42 s (tests/test_launcher_restart.py).
+_HANG_GRACE_S = 5.0
 # Statuses a rank exits with after printing its own line (job_watch.stop_rank).
 _SAID_WHY = (EXIT_CRASH, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY)
 # Failures a restart would meet again: a device out of memory runs out at the
@@ -118,6 +130,7 @@ class HetpipeAgent(AgentHooks):
         self.forked = bool(os.environ.get(LAUNCH_DIR_ENV))
         self.launch_dir = Path(os.environ.get(LAUNCH_DIR_ENV) or tempfile.mkdtemp(prefix="hetpipe-launch-"))
         self.watch: Optional[_WorkerWatch] = None
+        self.hung: Optional[HungRanks] = None
         self.failed: Optional[RunResult] = None
 
     @property
@@ -144,6 +157,10 @@ class HetpipeAgent(AgentHooks):
         ranks = {pid: worker_group.workers[local].global_rank for local, pid in pids.items()}
         self.watch = _WorkerWatch(self, ranks, worker_group.master_addr, worker_group.master_port, self.attempt)
         self.watch.start()
+        if self.hung is not None:
+            self.hung.close()
+        self.hung = HungRanks(list(pids.values()), self.watch.attempt_failing, _HANG_GRACE_S, self.attempt)
+        self.hung.start()
 
     def after_monitor(self, worker_group: WorkerGroup, result: RunResult) -> None:
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
@@ -151,7 +168,7 @@ class HetpipeAgent(AgentHooks):
             if self.watch is not None:
                 # The agent may have reaped the first rank to die before the
                 # watch's next poll, on a busy machine: its cause is posted from here.
-                self.watch.settle(result.failures)
+                self.watch.settle(self.not_killed_here(result.failures))
             if any(f.exitcode in _RECURRING for f in result.failures.values()):
                 self.stop_restarting()
 
@@ -196,6 +213,8 @@ class HetpipeAgent(AgentHooks):
 
     def close(self) -> None:
         self.end_watch()
+        if self.hung is not None:
+            self.hung.close()
         if not self.forked:  # the local launcher's outlives this launch (hetpipe.launch.local)
             shutil.rmtree(self.launch_dir, ignore_errors=True)
 
@@ -204,7 +223,14 @@ class HetpipeAgent(AgentHooks):
         """The failed attempt's cause, its exit status, and whether a line already said it."""
         watch = self.watch
         standing = None if watch is None else watch.verdict or watch.read_verdict()
-        return root_cause(standing, _first_failure(result.failures), self.node, result.state.name)
+        return root_cause(standing, _first_failure(self.not_killed_here(result.failures)), self.node,
+                          result.state.name)
+
+    def not_killed_here(self, failures: dict[int, Any]) -> dict[int, Any]:
+        """``failures`` (global rank -> torch's ProcessFailure) less the ranks this agent
+        killed for hanging: their deaths followed from the cause."""
+        killed = set() if self.hung is None else self.hung.killed
+        return {rank: f for rank, f in failures.items() if f.pid not in killed}
 
     def end_watch(self) -> None:
         if self.watch is not None:
@@ -281,6 +307,10 @@ class _WorkerWatch(threading.Thread):
         if last_attempt:
             error_line(reason)  # first: the other ranks print it after their wait for a cause
         self.verdict = Cause(reason, EXIT_CRASH, printed=last_attempt)
+
+    def attempt_failing(self) -> bool:
+        """Whether a rank of this attempt failed: seen here, or a verdict posted in the store."""
+        return self._handled or self.read_verdict() is not None
 
     def read_verdict(self) -> Optional[Cause]:
         """The verdict the ranks of this attempt posted (and printed), if the store answers."""
