@@ -67,8 +67,10 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, error_line
+from hetpipe.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, HetpipeError, error_line,
+                            fail)
 from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
+from hetpipe.launch.fd_limit import ensure_fd_limit, launcher_need
 from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
@@ -121,6 +123,7 @@ class HetpipeAgent(AgentHooks):
 
     def __init__(self, *args: Any, node: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        ensure_fd_limit(launcher_need(self.worker_group.spec.local_world_size))  # torchrun's launcher too
         self.node = node  # "node 1 of 2: " under torchrun on several nodes, else ""
         self.attempt = 0
         self.first_round: Optional[int] = None
@@ -394,6 +397,8 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
     launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
     try:
         return start()
+    except HetpipeError as exc:  # bad input met before any rank started (the open-file limit)
+        fail(str(exc), exc.exit_status)
     except ChildFailedError as exc:
         agents[-1].report_failure(exc)
     except SignalException as exc:
