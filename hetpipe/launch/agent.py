@@ -5,7 +5,9 @@ per restart, and each attempt's environment.
 local launcher) and torchrun's ``run`` (``python -m hetpipe.launch``) - builds
 its agent from that module's ``LocalElasticAgent`` name; :func:`agent_run`
 points the name at :class:`HetpipeAgent` for one launch, so rendezvous,
-restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
+restarts, signal forwarding and shutdown stay torch's (and its rendezvous
+registry at :class:`hetpipe.launch.store_bind.BoundStores`, so that the
+launcher's stores listen on the job's addresses only). What the subclass adds:
 
 * **Who died first, and how.** A thread asks the kernel every 20 ms, without
   reaping (``waitid`` with ``WNOWAIT``), whether a worker ended, so the first
@@ -75,6 +77,7 @@ from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
 from hetpipe.launch.rank_env import ATTEMPT_ENV
+from hetpipe.launch.store_bind import BoundStores
 from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, rendezvous_round
 
 T = TypeVar("T")
@@ -393,8 +396,9 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         return agent
 
     agent_can_set_shutdown_timeout()  # one line where this torch ignores the timeout asked for
-    original = launcher_api.LocalElasticAgent
+    original, registry = launcher_api.LocalElasticAgent, launcher_api.rdzv_registry
     launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
+    launcher_api.rdzv_registry = BoundStores(registry)  # type: ignore[assignment]  # stores on the job's addresses
     try:
         return start()
     except HetpipeError as exc:  # bad input met before any rank started (the open-file limit)
@@ -410,7 +414,7 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         except SystemExit as stop:
             _leave(agents, int(stop.code or 0))
     finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        launcher_api.LocalElasticAgent, launcher_api.rdzv_registry = original, registry  # type: ignore[misc]
         for agent in agents:
             agent.close()
 

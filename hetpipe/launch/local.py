@@ -35,7 +35,7 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, MutableMapping, Optional, Sequence
 
 from hetpipe.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
@@ -147,6 +147,7 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
     # The job secret authenticates channel handshakes: the configured one, or a
     # fresh one that only these children inherit (never through the store).
     provide_local_secret(os.environ)
+    _gloo_on_loopback(os.environ)
     _start_fork_server()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetpipe-{uuid.uuid4().hex[:8]}",
@@ -174,7 +175,19 @@ def prestart(argv: Sequence[str]) -> None:
         return  # launch() meets it again and says it in one line, exit 2
     if not raise_fd_limit_early(launcher_need(2)):
         return  # too low for any local launch: launch() says so, or runs a one-rank job without a server
+    _gloo_on_loopback(os.environ)
     _start_fork_server()
+
+
+def _gloo_on_loopback(env: MutableMapping[str, str]) -> None:
+    """Local ranks' gloo listens on loopback unless the user chose an interface: gloo binds the
+    address the host name resolves to, which on many hosts is a NIC's (the launcher's stores
+    listen on loopback too: hetpipe.launch.store_bind)."""
+    from hetpipe.comm.nics import list_interfaces
+
+    loopback = next((i.name for i in list_interfaces() if "127.0.0.1" in i.ipv4), None)
+    if loopback and not env.get("GLOO_SOCKET_IFNAME"):
+        env["GLOO_SOCKET_IFNAME"] = loopback
 
 
 _PRINT_ONLY = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
