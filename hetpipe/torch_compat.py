@@ -28,6 +28,11 @@ c10d rendezvous handler ``_state_holder.state.round``  the rendezvous round, equ
                                                        (:func:`rendezvous_round`); None where a
                                                        handler lacks it (the agent then counts
                                                        its own restarts).
+c10d rendezvous handler ``_create_tcp_store_server``   the store the agent shares with the ranks,
+                                                       made on a socket bound to their
+                                                       ``MASTER_ADDR`` instead of every interface
+                                                       (:func:`make_agent_store_with`); a handler
+                                                       without it keeps torch's store.
 ``torch._C._set_sm_carveout_experimental``             the GEMM SM carveout
                                                        (:func:`set_gemm_sm_carveout`); a build
                                                        without it runs with no carveout, said
@@ -232,6 +237,16 @@ def rendezvous_round(handler: Any) -> Optional[int]:
     node - or None for a handler that keeps no such state."""
     state = getattr(getattr(handler, "_state_holder", None), "state", None)
     return getattr(state, "round", None)
+
+
+def make_agent_store_with(handler: Any, make: Callable[[str, int], Any]) -> bool:
+    """Have torch's c10d rendezvous ``handler`` make the store it shares with the workers as
+    ``make(host, port)`` - ``host`` what the workers get as ``MASTER_ADDR``, ``port`` 0 - rather
+    than as a TCPStore on every interface. False (torch's store) where it makes none itself."""
+    if not callable(getattr(handler, "_create_tcp_store_server", None)):
+        return False
+    handler._create_tcp_store_server = make
+    return True
 
 
 # What a local rank imports before its first step, for the server local ranks

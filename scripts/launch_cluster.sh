@@ -64,7 +64,7 @@ if [[ -z "${HETPIPE_JOB_TOKEN:-}" && -n "${HETPIPE_JOB_TOKEN_FILE:-}" ]]; then
 elif [[ -z "${HETPIPE_JOB_TOKEN:-}" ]]; then
   # One machine only (scheduler_env refuses more nodes without a token): all
   # ranks are this torchrun's children, so a fresh secret reaches all of them.
-  HETPIPE_JOB_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')
+  HETPIPE_JOB_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
 fi
 export HETPIPE_JOB_TOKEN
 

@@ -108,12 +108,17 @@ def wait_all(runs: list[NodeRun], timeout: float) -> list[int]:
     return [run.proc.returncode for run in runs]
 
 
+def node_pids(node: emu.Node) -> list[int]:
+    """Every process of the node: its launcher and its ranks."""
+    out = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
 def kill_node(node: emu.Node) -> None:
     """SIGKILL every process of the node - its launcher, its ranks - as a node that dies takes all of them."""
-    pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
-    for pid in pids:
+    for pid in node_pids(node):
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

@@ -390,9 +390,9 @@ def test_hetpipes_own_launcher_draws_a_secret_only_when_none_is_configured(tmp_p
     env: dict[str, str] = {}
     provide_local_secret(env)
     assert len(env["HETPIPE_JOB_TOKEN"]) == 64 and int(env["HETPIPE_JOB_TOKEN"], 16) >= 0
-    kept = {"HETPIPE_JOB_TOKEN": "configured"}
+    kept = {"HETPIPE_JOB_TOKEN": SECRET}
     provide_local_secret(kept)
-    assert kept == {"HETPIPE_JOB_TOKEN": "configured"}
+    assert kept == {"HETPIPE_JOB_TOKEN": SECRET}
     path = tmp_path / "secret"
     path.write_text(SECRET)
     path.chmod(0o400)

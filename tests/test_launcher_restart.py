@@ -17,6 +17,7 @@ Each run is a tiny two-rank mixed model on CPU, a few seconds per attempt.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -147,6 +148,32 @@ def test_a_stop_signal_the_ranks_do_not_take_for_preemption_ends_them_at_once(tm
     code, out, err = finish(proc, timeout=120)
     assert code == 128 + signal.SIGTERM and time.monotonic() - signalled < 15, (code, err[-3000:])
     assert "hetpipe: error: stopped by SIGTERM before the ranks saved" in err, err[-3000:]
+
+
+# A frozen rank's peer times out after the deadline, waits 2 s for a better
+# cause (job_watch._GRACE_S) and lingers 1 s after its line; the launcher then
+# kills the stopped rank at once (agent._HANG_GRACE_S bounds one that runs).
+# Before, torch's agent waited its 30 s for the SIGTERM a stopped rank never takes.
+HANG_DEADLINE_S = 8
+
+
+def test_a_frozen_rank_ends_the_job_at_its_deadline_not_30_s_later(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "train.train_iters=100000", f"cluster.transport.deadline_s={HANG_DEADLINE_S}",
+                 fault="signal=SIGSTOP@step:rank=1:step=3", session=True)
+    try:
+        wait_for_steps(proc, run, 2)
+        frozen = time.monotonic()  # within 0.1 s (the poll) of rank 1 stopping itself at step 3's start
+        code, out, err = finish(proc, timeout=120)
+        took = time.monotonic() - frozen
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a stopped rank left over by a failure here
+    print(f"exit {code} {took:.1f} s after rank 1 froze (deadline {HANG_DEADLINE_S} s)")
+    assert code == 3, (code, out[-2000:], err[-3000:])
+    errors = [line for line in err.splitlines() if line.startswith("hetpipe: error:")]
+    assert len(errors) == 1 and f"timed out after {HANG_DEADLINE_S} s" in errors[0], err[-3000:]
+    assert took < HANG_DEADLINE_S + 3 + 5 + 4, (took, err[-3000:])  # deadline, its waits, the grace, slack
 
 
 def test_the_sbatch_script_waits_out_a_preemption_and_exits_with_its_steps(tmp_path):

@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-from cluster_nodes import JOB, NodeRun, kill_node, start_nodes, training, wait_all, wait_for
+from cluster_nodes import JOB, NodeRun, kill_node, node_pids, start_nodes, training, wait_all, wait_for
 from emulated_nodes import emu, emulated_nodes, make_emulated_nodes, netns_available  # noqa: F401
+from listening import listening
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,6 +56,12 @@ def assert_stopped(runs: list[NodeRun], since: float, within: float, expected: l
 def test_a_nic_taken_down_mid_run_stops_every_rank_naming_the_nic_link_nodes_and_stages(tmp_path, emulated_nodes):
     runs = start_nodes(emulated_nodes, FOREVER, tmp_path, deadline_s=DEADLINE_S)
     wait_for("training steps", training(tmp_path / "run0"), runs)
+    for node in emulated_nodes.nodes:
+        # The launchers' stores and the ranks' sockets listen on the node's NICs, none on all
+        # interfaces (hetpipe/launch/store_bind.py); node 0 hosts the rendezvous (RDZV_ENDPOINT).
+        sockets = listening(node_pids(node))
+        assert {a for _, a, _ in sockets} <= set(node.addrs.values()), (node.rank, node.addrs, sorted(sockets))
+        assert sockets and ((node.addrs["eth1"], 29400) in {(a, p) for _, a, p in sockets}) == (node.rank == 0)
     down = time.monotonic()
     emu.set_link(emulated_nodes[1], "eth2", up=False)
     assert_stopped(runs, down, DEADLINE_S + MARGIN_S, [

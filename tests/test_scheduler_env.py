@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "scripts" / "launch_cluster.sh"
 SBATCH = REPO / "scripts" / "slurm" / "hetpipe_hetjob.sbatch"
 MANIFEST = REPO / "scripts" / "k8s" / "hetpipe.yaml"
+# A job secret as hetpipe requires (32+ random hex digits); a fixed one keeps runs alike.
+TOKEN = "9c41e07b5fd2a8363e0b94c7d1f5a2e86b3d0c9f7a4e1b58"
 
 # Two H200 nodes of 8 ranks, then three MI325X nodes of 4: uneven on purpose.
 BIG = load_cluster("h200_mi325x_2node", [("groups.0.nodes", "2"), ("groups.1.nodes", "3"),
@@ -215,9 +217,9 @@ def test_cluster_and_its_overrides_come_from_pretrains_arguments():
 
 def test_token_file_must_be_its_owners_only(tmp_path):
     path = tmp_path / "token"
-    path.write_text("s3cret\n")
+    path.write_text(TOKEN + "\n")
     path.chmod(0o600)
-    assert read_token_file(str(path)) == "s3cret"
+    assert read_token_file(str(path)) == TOKEN
     check_job_token({"HETPIPE_JOB_TOKEN_FILE": str(path)}, nnodes=2)
     path.chmod(0o644)
     with pytest.raises(ConfigError, match=r"open to group or others \(mode 0644\): chmod 600"):
@@ -238,13 +240,13 @@ def test_multi_node_needs_a_token_but_one_machine_does_not():
     with pytest.raises(ConfigError, match="HETPIPE_JOB_TOKEN is not set: a job on 2 nodes"):
         check_job_token({}, nnodes=2)
     check_job_token({}, nnodes=1)
-    check_job_token({"HETPIPE_JOB_TOKEN": "x"}, nnodes=5)
+    check_job_token({"HETPIPE_JOB_TOKEN": TOKEN}, nnodes=5)
 
 
 # --- the CLI and the launcher -----------------------------------------------------------------
 
 def test_cli_prints_exports_that_a_shell_evals():
-    env = _clean_env(**_slurm_task("mi325x-a02"), HETPIPE_JOB_TOKEN="x", PYTHON=sys.executable)
+    env = _clean_env(**_slurm_task("mi325x-a02"), HETPIPE_JOB_TOKEN=TOKEN, PYTHON=sys.executable)
     script = ('eval "$("$PYTHON" -m hetpipe.launch.scheduler_env -- +model=llama8b cluster=h200_mi325x_2node '
               'cluster.groups.0.nodes=2 cluster.groups.1.nodes=3 cluster.groups.1.ranks_per_node=4 '
               # this host has none of the shipped config's subnets; lo stands in
@@ -257,7 +259,7 @@ def test_cli_prints_exports_that_a_shell_evals():
 
 
 def test_cli_bad_variable_is_one_line_and_exit_2():
-    env = _clean_env(**_slurm_task("h200-07", SLURM_HET_SIZE="3"), HETPIPE_JOB_TOKEN="x")
+    env = _clean_env(**_slurm_task("h200-07", SLURM_HET_SIZE="3"), HETPIPE_JOB_TOKEN=TOKEN)
     proc = subprocess.run([sys.executable, "-m", "hetpipe.launch.scheduler_env", "--cluster", "h200_mi325x_2node"],
                           env=env, cwd=REPO, text=True, capture_output=True, timeout=60)
     assert proc.returncode == 2
@@ -268,7 +270,7 @@ def test_cli_bad_variable_is_one_line_and_exit_2():
 
 def test_launcher_refuses_a_token_file_others_can_read(tmp_path):
     token = tmp_path / "token"
-    token.write_text("s3cret\n")
+    token.write_text(TOKEN + "\n")
     token.chmod(0o644)
     env = _clean_env(NODE_RANK="1", RDZV_ENDPOINT="127.0.0.1:29400", HETPIPE_JOB_TOKEN_FILE=str(token),
                      PYTHON=sys.executable)
@@ -298,7 +300,7 @@ def _two_nodes(tmp_path: Path, **extra: str) -> tuple[str, str]:
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = _clean_env(PYTHON=sys.executable, HETPIPE_JOB_TOKEN="t0ken", RDZV_ENDPOINT=f"127.0.0.1:{port}", **extra)
+    env = _clean_env(PYTHON=sys.executable, HETPIPE_JOB_TOKEN=TOKEN, RDZV_ENDPOINT=f"127.0.0.1:{port}", **extra)
     node1 = subprocess.Popen(["bash", str(LAUNCHER), *TWO_NODE_ARGS, f"hydra.run.dir={tmp_path / 'node1'}"],
                              env={**env, "NODE_RANK": "1"}, cwd=REPO, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -154,6 +154,28 @@ def test_the_rendezvous_round_is_read_from_a_real_c10d_handler():
     assert torch_compat.rendezvous_round(object()) is None
 
 
+def test_the_agent_store_of_a_real_c10d_handler_is_made_by_hetpipe():
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    made = []
+
+    def make(host, port):
+        made.append((host, port))
+        return torch.distributed.TCPStore(host, port, is_master=True, multi_tenant=True)
+
+    params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0", run_id="compat-store", min_nodes=1,
+                                  max_nodes=1, is_host="true", local_addr="127.0.0.1")
+    handler = get_rendezvous_handler(params)
+    try:
+        assert torch_compat.make_agent_store_with(handler, make)
+        info = handler.next_rendezvous()
+        assert made == [("127.0.0.1", 0)] and info.bootstrap_store_info.master_addr == "127.0.0.1"
+    finally:
+        handler.shutdown()
+    assert torch_compat.make_agent_store_with(object(), make) is False
+
+
 def test_a_missing_sm_carveout_is_one_line_and_off(monkeypatch, capfd):
     monkeypatch.delattr(torch._C, "_set_sm_carveout_experimental", raising=False)
     torch_compat._say_once.cache_clear()

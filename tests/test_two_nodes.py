@@ -13,6 +13,7 @@ namespaces cannot be made.
 """
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 
@@ -62,7 +63,7 @@ def test_per_node_launchers_train_bitwise_like_one_process_over_two_striped_nics
 def test_two_rate_limited_nics_carry_twice_what_one_does(make_emulated_nodes):
     # tbf at 40 Mbit/s on every NIC: the links, not two busy cores, set the pace.
     nodes = make_emulated_nodes(rate="40mbit")
-    env = {"HETPIPE_JOB_TOKEN": "2" * 64, "PYTHONUNBUFFERED": "1"}
+    env = {"HETPIPE_JOB_TOKEN": secrets.token_hex(32), "PYTHONUNBUFFERED": "1"}
     before = [emu.counters(nodes[1], nic) for nic in ("eth1", "eth2")]
     procs = [emu.run_in(node, [sys.executable, str(REPO / "scripts" / "bench_channel.py"), "--rank", str(node.rank),
                                "--store", f"{nodes[0].addrs['eth1']}:29500", "--interfaces", "eth1,eth2",
@@ -85,7 +86,7 @@ def test_two_rate_limited_nics_carry_twice_what_one_does(make_emulated_nodes):
 def test_the_shipped_two_node_config_selects_each_nodes_own_address(make_emulated_nodes):
     # h200_mi325x_2node names its NICs by subnet (10.100.0.0/16); node k has 10.100.0.k+1.
     nodes = make_emulated_nodes(subnets=["10.100.0.0/16"])
-    env = {**plain_env(), "HETPIPE_JOB_TOKEN": "3" * 64, "RDZV_ENDPOINT": "10.100.0.1:29400"}
+    env = {**plain_env(), "HETPIPE_JOB_TOKEN": secrets.token_hex(32), "RDZV_ENDPOINT": "10.100.0.1:29400"}
     for node in nodes.nodes:
         proc = emu.run_in(node, [sys.executable, "-m", "hetpipe.launch.scheduler_env", "--", "cluster=h200_mi325x_2node"],
                           env={**env, "NODE_RANK": str(node.rank)}, cwd=REPO, text=True, stdout=subprocess.PIPE,

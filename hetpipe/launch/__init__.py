@@ -7,6 +7,12 @@ command line and a rank's first training step, and after its last.
   with one-line failures, one per node of a multi-node job;
 * :mod:`~hetpipe.launch.agent` - torch's elastic agent plus the root cause of
   a failure, a line per restart and each attempt's environment;
+* :mod:`~hetpipe.launch.hung_ranks` - a failing attempt's stopped or deaf ranks
+  SIGKILLed instead of waited for;
+* :mod:`~hetpipe.launch.store_bind` - the launcher's stores listen where the job
+  dials them, not on every interface;
+* :mod:`~hetpipe.launch.fd_limit` - the open-file limit each launcher and rank
+  needs: raised, or one line;
 * :mod:`~hetpipe.launch.exit_cause` - how a rank's process ended (signal, OOM killer);
 * :mod:`~hetpipe.launch.job_watch` - every rank stops with the one cause
   posted in the job's store;

@@ -5,7 +5,9 @@ per restart, and each attempt's environment.
 local launcher) and torchrun's ``run`` (``python -m hetpipe.launch``) - builds
 its agent from that module's ``LocalElasticAgent`` name; :func:`agent_run`
 points the name at :class:`HetpipeAgent` for one launch, so rendezvous,
-restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
+restarts, signal forwarding and shutdown stay torch's (and its rendezvous
+registry at :class:`hetpipe.launch.store_bind.BoundStores`, so that the
+launcher's stores listen on the job's addresses only). What the subclass adds:
 
 * **Who died first, and how.** A thread asks the kernel every 20 ms, without
   reaping (``waitid`` with ``WNOWAIT``), whether a worker ended, so the first
@@ -18,6 +20,10 @@ restarts, signal forwarding and shutdown stay torch's. What the subclass adds:
   instead of the connection it lost (those wait ``job_watch._GRACE_S`` for a
   better cause), and prints it itself. A rank that exited 1, 2, 3 or 4 printed
   its own line; the launcher adds none and exits with that status.
+* **A rank that hangs** while its attempt fails - stopped, or deaf to
+  SIGTERM - is SIGKILLed (a stopped one at once, another after
+  :data:`_HANG_GRACE_S`) instead of after torch's 30 s
+  (:mod:`hetpipe.launch.hung_ranks`), and left out of the cause.
 * **Restarts** (``max_restarts``: torch's): one line each, naming the cause;
   none after a rank ran out of device memory (status 4), which would recur.
 * **Each attempt's environment**, set before its ranks start:
@@ -63,11 +69,15 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, error_line
+from hetpipe.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, HetpipeError, error_line,
+                            fail)
 from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
+from hetpipe.launch.fd_limit import ensure_fd_limit, launcher_need
+from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
 from hetpipe.launch.rank_env import ATTEMPT_ENV
+from hetpipe.launch.store_bind import BoundStores
 from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, rendezvous_round
 
 T = TypeVar("T")
@@ -90,6 +100,13 @@ _SETTLE_S = 0.5
 # Connecting to the job's store (node 0's agent hosts it): a store that does
 # not answer within this is gone, and the cause is printed without posting it.
 _STORE_TIMEOUT_S = 5.0
+# Once an attempt is failing, how long its ranks may take to leave before
+# SIGKILL (a stopped one gets it at once; hetpipe.launch.hung_ranks). A rank
+# that still runs then may be waiting up to 2 s for a better cause than its
+# own and lingering 1 s after its line (job_watch._GRACE_S, _LINGER_S): 2 s
+# more for a busy machine. A frozen rank's job (deadline 8 s, two busy cores)
+# ended 13 s after the freeze instead of 42 s (tests/test_launcher_restart.py).
+_HANG_GRACE_S = 5.0
 # Statuses a rank exits with after printing its own line (job_watch.stop_rank).
 _SAID_WHY = (EXIT_CRASH, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY)
 # Failures a restart would meet again: a device out of memory runs out at the
@@ -109,6 +126,7 @@ class HetpipeAgent(AgentHooks):
 
     def __init__(self, *args: Any, node: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        ensure_fd_limit(launcher_need(self.worker_group.spec.local_world_size))  # torchrun's launcher too
         self.node = node  # "node 1 of 2: " under torchrun on several nodes, else ""
         self.attempt = 0
         self.first_round: Optional[int] = None
@@ -118,6 +136,7 @@ class HetpipeAgent(AgentHooks):
         self.forked = bool(os.environ.get(LAUNCH_DIR_ENV))
         self.launch_dir = Path(os.environ.get(LAUNCH_DIR_ENV) or tempfile.mkdtemp(prefix="hetpipe-launch-"))
         self.watch: Optional[_WorkerWatch] = None
+        self.hung: Optional[HungRanks] = None
         self.failed: Optional[RunResult] = None
 
     @property
@@ -144,6 +163,10 @@ class HetpipeAgent(AgentHooks):
         ranks = {pid: worker_group.workers[local].global_rank for local, pid in pids.items()}
         self.watch = _WorkerWatch(self, ranks, worker_group.master_addr, worker_group.master_port, self.attempt)
         self.watch.start()
+        if self.hung is not None:
+            self.hung.close()
+        self.hung = HungRanks(list(pids.values()), self.watch.attempt_failing, _HANG_GRACE_S, self.attempt)
+        self.hung.start()
 
     def after_monitor(self, worker_group: WorkerGroup, result: RunResult) -> None:
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
@@ -151,7 +174,7 @@ class HetpipeAgent(AgentHooks):
             if self.watch is not None:
                 # The agent may have reaped the first rank to die before the
                 # watch's next poll, on a busy machine: its cause is posted from here.
-                self.watch.settle(result.failures)
+                self.watch.settle(self.not_killed_here(result.failures))
             if any(f.exitcode in _RECURRING for f in result.failures.values()):
                 self.stop_restarting()
 
@@ -196,6 +219,8 @@ class HetpipeAgent(AgentHooks):
 
     def close(self) -> None:
         self.end_watch()
+        if self.hung is not None:
+            self.hung.close()
         if not self.forked:  # the local launcher's outlives this launch (hetpipe.launch.local)
             shutil.rmtree(self.launch_dir, ignore_errors=True)
 
@@ -204,7 +229,14 @@ class HetpipeAgent(AgentHooks):
         """The failed attempt's cause, its exit status, and whether a line already said it."""
         watch = self.watch
         standing = None if watch is None else watch.verdict or watch.read_verdict()
-        return root_cause(standing, _first_failure(result.failures), self.node, result.state.name)
+        return root_cause(standing, _first_failure(self.not_killed_here(result.failures)), self.node,
+                          result.state.name)
+
+    def not_killed_here(self, failures: dict[int, Any]) -> dict[int, Any]:
+        """``failures`` (global rank -> torch's ProcessFailure) less the ranks this agent
+        killed for hanging: their deaths followed from the cause."""
+        killed = set() if self.hung is None else self.hung.killed
+        return {rank: f for rank, f in failures.items() if f.pid not in killed}
 
     def end_watch(self) -> None:
         if self.watch is not None:
@@ -281,6 +313,10 @@ class _WorkerWatch(threading.Thread):
         if last_attempt:
             error_line(reason)  # first: the other ranks print it after their wait for a cause
         self.verdict = Cause(reason, EXIT_CRASH, printed=last_attempt)
+
+    def attempt_failing(self) -> bool:
+        """Whether a rank of this attempt failed: seen here, or a verdict posted in the store."""
+        return self._handled or self.read_verdict() is not None
 
     def read_verdict(self) -> Optional[Cause]:
         """The verdict the ranks of this attempt posted (and printed), if the store answers."""
@@ -360,10 +396,13 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         return agent
 
     agent_can_set_shutdown_timeout()  # one line where this torch ignores the timeout asked for
-    original = launcher_api.LocalElasticAgent
+    original, registry = launcher_api.LocalElasticAgent, launcher_api.rdzv_registry
     launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
+    launcher_api.rdzv_registry = BoundStores(registry)  # type: ignore[assignment]  # stores on the job's addresses
     try:
         return start()
+    except HetpipeError as exc:  # bad input met before any rank started (the open-file limit)
+        fail(str(exc), exc.exit_status)
     except ChildFailedError as exc:
         agents[-1].report_failure(exc)
     except SignalException as exc:
@@ -375,7 +414,7 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         except SystemExit as stop:
             _leave(agents, int(stop.code or 0))
     finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        launcher_api.LocalElasticAgent, launcher_api.rdzv_registry = original, registry  # type: ignore[misc]
         for agent in agents:
             agent.close()
 

@@ -35,17 +35,20 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, MutableMapping, Optional, Sequence
 
 from hetpipe.cluster import ClusterConfig
-from hetpipe.errors import ConfigError
+from hetpipe.errors import ConfigError, HetpipeError
+from hetpipe.launch.fd_limit import Need, ensure_fd_limit, launcher_need, raise_fd_limit_early, rank_need
 from hetpipe.launch.job_secret import provide_local_secret
 from hetpipe.launch.rank_env import restart_attempt, under_torchrun
 
 
-def _worker(fn: Callable[..., Any], args: tuple, env: Optional[dict[str, str]] = None) -> Any:
-    """One rank: a failure ends it (and the job) with one line and its status (:func:`stop_rank`).
-    ``env`` joins its environment first (a forked rank has the fork server's, not the launcher's).
+def _worker(fn: Callable[..., Any], args: tuple, env: Optional[dict[str, str]] = None,
+            fds: Optional[Need] = None) -> Any:
+    """One rank: a failure ends it (and the job) with one line and its status (:func:`stop_rank`);
+    so does an open-file limit below ``fds``, the descriptors it needs. ``env`` joins its
+    environment first (a forked rank has the fork server's, not the launcher's).
 
     ``HETPIPE_STACK_DUMP_S=N`` makes every rank print all its threads' stacks
     after N seconds - the quickest way to see where a hung job waits.
@@ -59,6 +62,8 @@ def _worker(fn: Callable[..., Any], args: tuple, env: Optional[dict[str, str]] =
     if os.environ.get("HETPIPE_STACK_DUMP_S"):
         faulthandler.dump_traceback_later(float(os.environ["HETPIPE_STACK_DUMP_S"]), exit=False)
     try:
+        if fds is not None:
+            ensure_fd_limit(fds)
         result = fn(*args)
     except Exception as exc:  # noqa: BLE001 - stop_rank prints a bug's traceback itself
         stop_rank(exc)
@@ -131,14 +136,16 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
             raise ConfigError(f"train.max_restarts={max_restarts} but torchrun was started with --max-restarts "
                               f"{started}: make them equal (launch_cluster.sh takes HETPIPE_MAX_RESTARTS, "
                               "or train.max_restarts from its command line)")
-        return _worker(fn, args, env)
+        return _worker(fn, args, env, rank_need(cluster, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if world == 1 and max_restarts == 0:
+        # No fd check: one process held 9 descriptors at most (a python that starts at all has them).
         _stop_fork_server()  # started early (prestart) for a job that needs no ranks: free its core
         os.environ.update(env or {})
         return fn(*args)
     if not cluster.single_node:
         raise ConfigError(f"cluster {cluster.name!r} spans several nodes: start it with one torchrun per "
                           "node (see scripts/launch_cluster.sh)")
+    ensure_fd_limit(launcher_need(world))  # before the launch opens anything: a limit too low is one line
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from hetpipe.launch.agent import HANDLED_SIGNALS, agent_run, quiet_torch_launcher
@@ -146,13 +153,14 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
     # The job secret authenticates channel handshakes: the configured one, or a
     # fresh one that only these children inherit (never through the store).
     provide_local_secret(os.environ)
+    _gloo_on_loopback(os.environ)
     _start_fork_server()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetpipe-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, monitor_interval=0.2,
         start_method="forkserver", signals_to_handle=HANDLED_SIGNALS)
     quiet_torch_launcher()
-    return agent_run(lambda: elastic_launch(config, _worker)(fn, args, env))[0]
+    return agent_run(lambda: elastic_launch(config, _worker)(fn, args, env, rank_need(cluster, world)))[0]
 
 
 def prestart(argv: Sequence[str]) -> None:
@@ -167,8 +175,25 @@ def prestart(argv: Sequence[str]) -> None:
     (--help, --cfg) does not start it."""
     if under_torchrun() or any(a.split("=")[0] in _PRINT_ONLY for a in argv):
         return
-    provide_local_secret(os.environ)  # the ranks inherit the server's environment
+    try:
+        provide_local_secret(os.environ)  # the ranks inherit the server's environment
+    except HetpipeError:
+        return  # launch() meets it again and says it in one line, exit 2
+    if not raise_fd_limit_early(launcher_need(2)):
+        return  # too low for any local launch: launch() says so, or runs a one-rank job without a server
+    _gloo_on_loopback(os.environ)
     _start_fork_server()
+
+
+def _gloo_on_loopback(env: MutableMapping[str, str]) -> None:
+    """Local ranks' gloo listens on loopback unless the user chose an interface: gloo binds the
+    address the host name resolves to, which on many hosts is a NIC's (the launcher's stores
+    listen on loopback too: hetpipe.launch.store_bind)."""
+    from hetpipe.comm.nics import list_interfaces
+
+    loopback = next((i.name for i in list_interfaces() if "127.0.0.1" in i.ipv4), None)
+    if loopback and not env.get("GLOO_SOCKET_IFNAME"):
+        env["GLOO_SOCKET_IFNAME"] = loopback
 
 
 _PRINT_ONLY = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")

@@ -39,7 +39,7 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting
 from hetpipe.errors import ConfigError, config_error_from, run_cli
 # The token-file rules live in job_secret (one implementation); read_token_file stays importable from here.
-from hetpipe.launch.job_secret import find_job_secret, read_token_file  # noqa: F401
+from hetpipe.launch.job_secret import check_secret_strength, find_job_secret, read_token_file  # noqa: F401
 
 SCHEDULERS = ("auto", "env", "slurm", "k8s")
 # torch's own default for a c10d rendezvous endpoint without a port.
@@ -375,10 +375,14 @@ def derive(env: Mapping[str, str], cluster: ClusterConfig, scheduler: str = "aut
 def check_job_token(env: Mapping[str, str], nnodes: int) -> None:
     """Every node of a multi-node job must bring the same secret itself; it is
     never drawn by rank 0 and shared through the rendezvous store, which any
-    host that reaches the endpoint could read."""
-    if find_job_secret(env) is None and nnodes > 1:
+    host that reaches the endpoint could read. A secret that is given must be a
+    random one (:func:`hetpipe.launch.job_secret.secret_problem`)."""
+    token = find_job_secret(env)
+    if token is None and nnodes > 1:
         raise ConfigError(f"HETPIPE_JOB_TOKEN is not set: a job on {nnodes} nodes needs the same secret on "
                           "every node, in HETPIPE_JOB_TOKEN or in a file named by HETPIPE_JOB_TOKEN_FILE")
+    if token is not None:
+        check_secret_strength(token, env)
 
 
 def cluster_choice(name: Optional[str], overrides: Sequence[str]) -> tuple[str, list[tuple[str, str]]]:
