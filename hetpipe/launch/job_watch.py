@@ -41,7 +41,10 @@ The keys live under the job's attempt (:func:`namespace`): an elastic agent
 keeps one store for all restarts of a job (torch's agent hosts it and hands
 every attempt the same address), so without it a restarted attempt would read
 the last attempt's verdict and stop at once - and gloo would dial the last
-attempt's addresses.
+attempt's addresses. The verdict is sealed with the job secret for its key
+and attempt (:mod:`hetpipe.launch.verdicts`): one that anybody else wrote is
+ignored, with one warning line per node, and a job without a secret stops
+at start-up with one line (exit 2).
 
 Measured on two emulated nodes (tests/test_node_faults.py, deadline 15 s,
 two busy cores): a NIC taken down stops all four ranks 1.8 s later, a killed
@@ -53,14 +56,13 @@ killed on a node is named by its launcher on every rank of both nodes
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import NamedTuple, NoReturn, Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -69,11 +71,15 @@ from hetpipe.comm.nics import Nic, list_interfaces
 from hetpipe.comm.tcp_links import LinkStalled
 from hetpipe.comm.threaded import PeerLost
 from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER, HetpipeError, error_line
+from hetpipe.launch.job_secret import require_job_secret
 from hetpipe.launch.nodes import NodeMap, NodeMissing
-from hetpipe.launch.preemption import marker_dir
 from hetpipe.launch.rank_env import restart_attempt
+from hetpipe.launch.store_seal import Seal
+from hetpipe.launch.verdicts import (ABORT_KEY, Verdict, first_on_node, namespace, post_in, post_verdict,
+                                     posted_verdict, read_in)
 
-ABORT_KEY = "hetpipe/abort"
+__all__ = ["ABORT_KEY", "JobWatch", "Verdict", "namespace", "post_verdict", "posted_verdict", "stop_rank"]
+
 # Four polls a second: a stopped job is noticed well within a second on every
 # rank, for one small store request per rank.
 _POLL_S = 0.25
@@ -96,25 +102,6 @@ _exiting = threading.Lock()
 _said = threading.Lock()  # held once this process printed its line
 
 
-def namespace(attempt: Optional[int] = None) -> str:
-    """The prefix of every key this attempt of the job writes to the rendezvous store."""
-    return f"hetpipe/attempt{restart_attempt() if attempt is None else attempt}"
-
-
-def post_verdict(store: dist.Store, rank: int, reason: str, code: int) -> tuple[Verdict, float]:
-    """Post ``reason`` (ending ranks with ``code``) in ``store`` (already under :func:`namespace`)
-    unless a verdict is there already; returns the one that stands, and when it was posted
-    (its poster's ``time.time()``)."""
-    value = json.dumps({"rank": rank, "reason": reason, "code": code, "time": time.time()})
-    raw = store.compare_set(ABORT_KEY, "", value)
-    return _verdict(raw), json.loads(raw.decode()).get("time", 0.0)
-
-
-def posted_verdict(store: dist.Store) -> Optional[Verdict]:
-    """The verdict posted in ``store`` (already under :func:`namespace`), if any."""
-    return _verdict(store.get(ABORT_KEY)) if store.check([ABORT_KEY]) else None
-
-
 class JobWatch:
     """This rank's view of the job's one failure: posts it, polls for it, stops the rank on it.
 
@@ -122,12 +109,16 @@ class JobWatch:
     of its own, whose keys go under ``prefix``, the attempt's :func:`namespace`);
     ``nodes`` and ``boundaries`` (this node's cross-node rank pairs, as ``(this
     rank, peer rank, "stage 1 <-> stage 2")``) come from the topology once the
-    roll call is done (:meth:`arm`).
+    roll call is done (:meth:`arm`). The job secret seals what it posts and
+    opens what it reads (:mod:`hetpipe.launch.verdicts`); a job without one
+    stops here, with one line.
     """
 
     def __init__(self, store: dist.TCPStore, rank: int, deadline: float, prefix: str) -> None:
         self.rank = rank
         self.nodes: Optional[NodeMap] = None
+        self._seal = Seal(require_job_secret(os.environ), restart_attempt())
+        self._who = f"[rank {rank}] "
         self._client = dist.PrefixStore(prefix, dist.TCPStore(store.host, store.port, is_master=False,
                                                               timeout=timedelta(seconds=deadline)))
         self._lock = threading.Lock()  # one request at a time on the client
@@ -166,7 +157,7 @@ class JobWatch:
         with self._lock:
             self._check_store()
             try:
-                return posted_verdict(self._client)
+                return read_in(self._client, self._seal, self._who)
             except Exception as exc:
                 self._store_error = exc
                 raise
@@ -177,7 +168,7 @@ class JobWatch:
         with self._lock:
             self._check_store()
             try:
-                return post_verdict(self._client, self.rank, reason, code)[0]
+                return post_in(self._client, self._seal, self.rank, reason, code, self._who)[0]
             except Exception as exc:
                 self._store_error = exc
                 raise
@@ -289,21 +280,10 @@ class JobWatch:
                 f"{what}; hetpipe stops rather than move its traffic to the remaining NICs (comm/tcp.py)")
 
 
-class Verdict(NamedTuple):
-    """The job's one reason to stop, and the exit status every rank gives it."""
-    reason: str
-    code: int
-
-
 def _status_of(exc: HetpipeError) -> int:
     """A peer that misbehaves on the wire is bad input; one that vanished is not; a
     device out of memory is its own status (errors.EXIT_OUT_OF_MEMORY)."""
     return EXIT_LOST_PEER if isinstance(exc, (PeerLost, LinkStalled, NodeMissing)) else exc.exit_status
-
-
-def _verdict(raw: bytes) -> Verdict:
-    posted = json.loads(raw.decode())
-    return Verdict(posted["reason"], posted.get("code", EXIT_LOST_PEER))
 
 
 def _exit(rank: int, reason: str, code: int, linger: bool = True) -> NoReturn:
@@ -319,31 +299,9 @@ def _exit(rank: int, reason: str, code: int, linger: bool = True) -> NoReturn:
 
 def _say(rank: int, reason: str) -> None:
     """This process's one line, once (announce, then _exit, print it once), and
-    only by the first rank of its node's launch to get here (:func:`_first_here`)."""
-    if _said.acquire(blocking=False) and _first_here():
+    only by the first rank of its node's launch to get here (:func:`~hetpipe.launch.verdicts.first_on_node`)."""
+    if _said.acquire(blocking=False) and first_on_node("said"):
         error_line(f"[rank {rank}] {reason}")
-
-
-def _first_here() -> bool:
-    """Whether no other rank of this node's launch has said the job's line yet.
-
-    Every rank ends with the cause that stands, and each used to print it: two
-    identical lines from two ranks, eight from a node of eight, for one cause.
-    The first rank to print leaves a file in its attempt's launch directory;
-    the others exit with the same status and say nothing. Without a launch
-    directory (a rank run by hand) every rank prints.
-    """
-    directory = marker_dir(restart_attempt())
-    if directory is None:
-        return True
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(directory / "said", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def _first_line(exc: BaseException) -> str:
