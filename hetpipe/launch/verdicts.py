@@ -10,7 +10,8 @@ with one warning line per node, and a rank that posts its own cause puts it
 in that value's place.
 
 The launcher (:mod:`hetpipe.launch.agent`) calls :func:`post_verdict` and
-:func:`posted_verdict` with a store client of its own.
+:func:`posted_verdict` with a store client of its own; each request is
+bounded by that client's timeout (:func:`hetpipe.launch.store_calls.call_within`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_
 from hetpipe.launch.job_secret import ENV_TOKEN, ENV_TOKEN_FILE, find_job_secret
 from hetpipe.launch.preemption import marker_dir
 from hetpipe.launch.rank_env import restart_attempt
+from hetpipe.launch.store_calls import call_within
 from hetpipe.launch.store_seal import Seal, Unsealed
 
 ABORT_KEY = "hetpipe/abort"
@@ -119,12 +121,23 @@ def post_verdict(store: Any, rank: int, reason: str, code: int,
     """Post ``reason`` (ending ranks with ``code``) in ``store`` (already under
     :func:`namespace`) for ``attempt`` unless a verdict is there already; returns the one
     that stands, and when it was posted (its poster's ``time.time()``)."""
-    return post_in(store, job_seal(attempt), rank, reason, code, "launcher: ")
+    seal = job_seal(attempt)
+    return call_within(lambda: post_in(store, seal, rank, reason, code, "launcher: "), *_bounds(store))
 
 
 def posted_verdict(store: Any, attempt: Optional[int] = None) -> Optional[Verdict]:
     """The verdict posted in ``store`` (already under :func:`namespace`) for ``attempt``, if any."""
-    return read_in(store, job_seal(attempt), "launcher: ")
+    seal = job_seal(attempt)
+    return call_within(lambda: read_in(store, seal, "launcher: "), *_bounds(store))
+
+
+def _bounds(store: Any) -> tuple[float, str]:
+    """The client's own timeout, and where its store is (``host:port``)."""
+    base = store
+    while not hasattr(base, "host") and hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    where = f"{base.host}:{base.port}" if hasattr(base, "host") else "?"
+    return store.timeout.total_seconds(), where
 
 
 # -- lines a node says once ----------------------------------------------------------
