@@ -151,3 +151,18 @@ def test_a_real_cause_takes_the_place_of_a_forged_one(store, capfd):
     assert standing == ("NIC eth2 (10.202.0.2) of node 1 went down", EXIT_LOST_PEER)
     assert posted_verdict(ours, attempt=0) == standing
     assert capfd.readouterr().err.count("hetpipe: warning:") == 1
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_without_a_secret_stops_at_start_even_without_socket_channels(tmp_path):
+    # gloo carries the boundary, so no channel needs the secret; the verdicts still do.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_JOB_TOKEN")}
+    begun = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "hetpipe.pretrain", *TINY, "cluster.transport.kind=gloo", "train.train_iters=2",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, text=True, capture_output=True, timeout=110)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hetpipe: error:")]
+    print(f"exit {proc.returncode} after {time.monotonic() - begun:.1f} s")
+    assert proc.returncode != 0 and not rows(tmp_path), proc.stderr[-3000:]
+    assert errors and all("] no job secret: set HETPIPE_JOB_TOKEN" in line and "seals the job's stop verdicts" in line
+                          for line in errors), proc.stderr[-3000:]

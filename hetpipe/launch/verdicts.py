@@ -21,7 +21,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, ConfigError
-from hetpipe.launch.job_secret import ENV_TOKEN, ENV_TOKEN_FILE, find_job_secret
+from hetpipe.launch.job_secret import ENV_TOKEN, ENV_TOKEN_FILE, find_job_secret, require_job_secret
 from hetpipe.launch.preemption import marker_dir
 from hetpipe.launch.rank_env import restart_attempt
 from hetpipe.launch.store_calls import call_within
@@ -55,11 +55,15 @@ def namespace(attempt: Optional[int] = None) -> str:
 
 def job_seal(attempt: Optional[int] = None) -> Seal:
     """The seal of this process's job secret for ``attempt`` (default: this process's);
-    one line (exit 2) when there is no secret."""
-    secret = find_job_secret(os.environ)
-    if secret is None:
-        raise ConfigError(f"no job secret: set {ENV_TOKEN} or {ENV_TOKEN_FILE} (hetpipe's own launchers "
-                          "draw one for a one-host job); it seals the job's stop verdicts in the store")
+    one line (exit 2) when there is no secret. Every job of more than one rank has
+    verdicts, so every such job needs the secret, whether or not a channel does."""
+    if find_job_secret(os.environ) is None:
+        raise ConfigError(
+            f"no job secret: set {ENV_TOKEN} (the same random value on every rank, e.g. $(python -c 'import "
+            f"secrets; print(secrets.token_hex(32))')) or {ENV_TOKEN_FILE} (a file only you can read); it seals "
+            "the job's stop verdicts in its store and authenticates the cross-vendor channels (hetpipe's own "
+            "launcher draws one for a job on one host)")
+    secret = require_job_secret(os.environ)  # its checks of a secret that is set
     return Seal(secret, restart_attempt() if attempt is None else attempt)
 
 
