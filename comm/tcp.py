@@ -37,8 +37,9 @@ NIC goes down on a node (the job's watch, :mod:`hetpipe.launch.job_watch`, sees 
 state change), after half the deadline when it fails elsewhere on the path
 (a receive holds some pieces of a message and its other link has carried
 nothing since: :meth:`TcpChannel._watch_links`, measured at 9.6 s with a 15 s
-deadline in tests/test_node_faults.py), at the deadline when no piece gives
-it away (the wait times out naming the link the piece was due on). Which link
+deadline in tests/test_node_faults.py; or the peer closed its other links and
+this one carried nothing since, not even the close), at the deadline when no
+piece gives it away (the wait times out naming the link the piece was due on). Which link
 owes a piece, and the report that names it, live in
 :mod:`hetpipe.comm.tcp_links`. The job resumes from its last checkpoint.
 """
@@ -70,7 +71,8 @@ from hetpipe.comm.message_mac import TAG_SIZE, FrameMac
 from hetpipe.comm.rendezvous import connect_peers
 from hetpipe.comm.sockets import recv_exact
 from hetpipe.comm.staging import HostStaging
-from hetpipe.comm.tcp_links import Link, LinkStalled, StallNamingHandle, link_of, split_pieces, stall_report
+from hetpipe.comm.tcp_links import (Link, LinkStalled, StallNamingHandle, half_closed_report, link_of,
+                                    split_pieces, stall_report)
 from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
 
 # A receive that has some of its pieces but lacks the rest for half the
@@ -130,7 +132,8 @@ class _RecvOp:
 @dataclass(eq=False, kw_only=True)
 class _TcpPeer(PeerState):
     links: list[Link] = field(default_factory=list)
-    closed_links: int = 0
+    closed: set[int] = field(default_factory=set)  # links the peer closed
+    first_close: float | None = None  # time.monotonic() when the first of them closed
     recvs: dict[int, _RecvOp] = field(default_factory=dict)
     sends: set[_SendOp] = field(default_factory=set)
 
@@ -298,9 +301,10 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                     # EOFs race with data still buffered on sibling
                     # connections: only the last EOF fails what is pending.
                     with peer.cond:
-                        peer.closed_links += 1
-                        if peer.closed_links < len(peer.links):
-                            return
+                        peer.closed.add(link.index)
+                        peer.first_close = peer.first_close or time.monotonic()
+                        if len(peer.closed) < len(peer.links):
+                            return  # the others close too, or go silent (_watch_links)
                     raise PeerLost(f"connection to {peer.name} lost: the peer closed the connection", peer.rank)
                 if got < len(head):
                     raise ChannelError(f"connection to {peer.name} closed mid-message: received {got} of "
@@ -394,24 +398,30 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         pieces for ``_stall_s`` but not the rest: the sender queued them together,
         so the missing ones sit on a link that stopped. Ahead of the deadline, so
         the stalled link is the job's reported cause, not the timeouts it causes
-        on other ranks."""
+        on other ranks. Likewise a peer lost behind a dead link (:func:`half_closed_report`)."""
         with peer.cond:
             while peer.error is None:
                 peer.cond.wait(min(1.0, self._stall_s / 4))
                 now = time.monotonic()
                 late = [op for op in peer.recvs.values()
                         if op.first_piece is not None and now - op.first_piece > self._stall_s]
-                if late and peer.error is None:
-                    op = late[0]
-                    peer.cond.release()  # _stall_report and _fail_peer take the lock themselves
+                half_closed = peer.first_close is not None and now - peer.first_close > self._stall_s
+                if (late or half_closed) and peer.error is None:
+                    peer.cond.release()  # the reports and _fail_peer take the lock themselves
                     try:
-                        report = self._stall_report(peer, op)
-                        if report is not None:
-                            self._fail_peer(peer, LinkStalled(
-                                f"{self.name} waited {now - op.first_piece:.1f} s for the rest of "
-                                f"{op.expected.describe()} from {peer.name}: {report}", peer.rank))
+                        error = (self._late(peer, late[0], now) if late else None) or (PeerLost(
+                            f"connection to {peer.name} lost: {half_closed_report(peer.links, peer.closed)}",
+                            peer.rank) if half_closed else None)
+                        if error is not None:
+                            self._fail_peer(peer, error)
                     finally:
                         peer.cond.acquire()
+
+    def _late(self, peer: _TcpPeer, op: _RecvOp, now: float) -> LinkStalled | None:
+        report = self._stall_report(peer, op)
+        return None if report is None else LinkStalled(
+            f"{self.name} waited {now - op.first_piece:.1f} s for the rest of {op.expected.describe()} from "
+            f"{peer.name}: {report}", peer.rank)
 
     # ------------------------------------------------------- failure, close
 

@@ -118,3 +118,17 @@ def stall_report(links: list[Link], header: FrameHeader, done: set[int], *, inco
                          for link in moving if link.index not in done])
     return (f"link {stalled} carried nothing for {quiet:.1f} s while its piece of message #{header.seq} "
             f"was due ({alive})")
+
+
+def half_closed_report(links: list[Link], closed: set[int]) -> str:
+    """The error of a peer that closed links ``closed`` (their indices) half the deadline ago
+    while the others carried nothing since, not even their close: its process ended, and
+    the way over those is gone too. With no piece in flight nothing else gives it away
+    before the deadline, and then only as a wait on another rank that names no link
+    (a NIC taken down on a switched node: tests/test_nic_faults.py)."""
+    names = {a: i.name for i in list_interfaces() for a in i.addresses}
+    shut = ", ".join(links[j].describe(names, True) for j in sorted(closed))
+    silent = [link for link in links if link.index not in closed]
+    quiet = min(time.monotonic() - link.last_activity for link in silent)
+    return (f"the peer closed link {shut}, but link {', '.join(link.describe(names, True) for link in silent)} "
+            f"has carried nothing for {quiet:.1f} s, not even the close")

@@ -33,11 +33,15 @@ c10d rendezvous handler ``_create_tcp_store_server``   the store the agent share
                                                        ``MASTER_ADDR`` instead of every interface
                                                        (:func:`make_agent_store_with`); a handler
                                                        without it keeps torch's store.
+c10d rendezvous handler                                the store's timeout, which bounds the
+``_state_holder._backend._store``                      handler's calls while and after the workers
+                                                       run (:func:`bound_rendezvous_calls`); a
+                                                       handler without it is left unbounded.
 ``torch._C._set_sm_carveout_experimental``             the GEMM SM carveout
                                                        (:func:`set_gemm_sm_carveout`); a build
                                                        without it runs with no carveout, said
                                                        in one line.
-``ProcessGroupNCCL.Options._timeout``                   a capped boundary communicator's options
+``ProcessGroupNCCL.Options._timeout``                  a capped boundary communicator's options
                                                        carry its group's timeout (torch warns
                                                        when they differ and has no public
                                                        setter): :func:`nccl_group_options`;
@@ -73,6 +77,7 @@ import inspect
 import os
 import re
 import sys
+import threading
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -186,6 +191,7 @@ class AgentHooks(LocalElasticAgent):
     # -- torch's private methods --------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
         super()._rendezvous(worker_group, *args, **kwargs)
+        bound_rendezvous_calls(worker_group.spec.rdzv_handler)
         self.after_rendezvous(worker_group)
 
     def _start_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> dict[int, Any]:
@@ -207,6 +213,70 @@ class AgentHooks(LocalElasticAgent):
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
         self.before_shutdown()
         super()._shutdown(*args, **kwargs)
+
+
+# What the handler's calls return once its store is lost: nobody waits to join
+# (nobody can reach the store), and its shutdown did not happen.
+_BOUNDED_RENDEZVOUS_CALLS = (("num_nodes_waiting", 0), ("shutdown", False))
+# At most this long for one of them, as the launcher's own store client waits
+# (hetpipe/launch/agent.py): each is one small store request, answered in
+# milliseconds, while the store's own timeout (the rendezvous' read_timeout,
+# 600 s by launch_cluster.sh's default so that nodes may start minutes apart)
+# would keep a launcher whose ranks all exited waiting ten minutes.
+_RENDEZVOUS_CALL_CAP_S = 5.0
+
+
+def bound_rendezvous_calls(handler: Any) -> None:
+    """Bound the calls torch's agent makes on the rendezvous handler while its workers run
+    and after they ended by the handler's store timeout (the rendezvous' ``read_timeout``),
+    at most ``_RENDEZVOUS_CALL_CAP_S``.
+
+    torch's TCPStore client does not hold its timeout once the route to the store
+    is gone: a request waits for TCP's retransmission timeout, about 15 minutes
+    (issue 32). The agent asks the store how many nodes wait to join after every
+    poll of its workers, so a node whose NIC to the store went down kept its
+    launcher in that call after its ranks had exited. A call that overruns is
+    left on its thread, answers as if nobody waited, and every later one answers
+    at once. So does one that fails: the store's host left (node 0's launcher
+    exits as soon as its ranks did), and this node's ranks, which stop on it
+    too, say why - where the failure raised here ended the launcher with status
+    1 and "lost the rendezvous store" before it saw its ranks' status 3.
+    """
+    store = getattr(getattr(getattr(handler, "_state_holder", None), "_backend", None), "_store", None)
+    timeout = getattr(store, "timeout", None)
+    if timeout is None or getattr(handler, "_hetpipe_bounded", False):
+        return
+    lost = threading.Event()
+    for name, fallback in _BOUNDED_RENDEZVOUS_CALLS:
+        limit = min(timeout.total_seconds(), _RENDEZVOUS_CALL_CAP_S)
+        setattr(handler, name, _within(getattr(handler, name), limit, fallback, lost))
+    handler._hetpipe_bounded = True
+
+
+def _within(call: Callable[..., Any], limit: float, fallback: Any, lost: threading.Event) -> Callable[..., Any]:
+    """``call`` on a thread of its own, ``fallback`` if it overruns ``limit`` s or overran before."""
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        if lost.is_set():
+            return fallback
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=_into, args=(box, call, args, kwargs), daemon=True,
+                                  name="hetpipe-rendezvous-call")
+        thread.start()
+        thread.join(limit)
+        if thread.is_alive() or isinstance(box.get("error"), Exception):
+            lost.set()
+            return fallback
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+    return bounded
+
+
+def _into(box: dict[str, Any], call: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+    try:
+        box["value"] = call(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+        box["error"] = exc
 
 
 def agent_can_set_shutdown_timeout() -> bool:

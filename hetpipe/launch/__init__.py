@@ -16,6 +16,10 @@ command line and a rank's first training step, and after its last.
 * :mod:`~hetpipe.launch.exit_cause` - how a rank's process ended (signal, OOM killer);
 * :mod:`~hetpipe.launch.job_watch` - every rank stops with the one cause
   posted in the job's store;
+* :mod:`~hetpipe.launch.verdicts` and :mod:`~hetpipe.launch.store_seal` - that
+  cause in the store, sealed with the job secret (forgeries are ignored);
+* :mod:`~hetpipe.launch.store_calls` - store requests that end in time when
+  the way to the store is gone;
 * :mod:`~hetpipe.launch.rank_env` - this process's rank and restart attempt,
   from its launcher's environment;
 * :mod:`~hetpipe.launch.nodes` - which node each rank runs on, and the roll call;

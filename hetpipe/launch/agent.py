@@ -300,7 +300,7 @@ class _WorkerWatch(threading.Thread):
         standing, posted_at = None, 0.0
         if self._store is not None:
             try:
-                standing, posted_at = post_verdict(self._store, first.rank, reason, EXIT_CRASH)
+                standing, posted_at = post_verdict(self._store, first.rank, reason, EXIT_CRASH, attempt=self._attempt)
             except Exception:  # noqa: BLE001 - the store's host is gone: say it here only
                 standing = None
         if standing is not None and standing.reason != reason and posted_at < self._alive_at:
@@ -323,7 +323,7 @@ class _WorkerWatch(threading.Thread):
         if self._store is None:
             return None
         try:
-            verdict = posted_verdict(self._store)
+            verdict = posted_verdict(self._store, attempt=self._attempt)
         except Exception:  # noqa: BLE001
             return None
         return None if verdict is None else Cause(verdict.reason, verdict.code, printed=True)

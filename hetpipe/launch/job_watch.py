@@ -15,10 +15,14 @@ the launchers read as "this rank already said why":
 * a boundary channel posts from its I/O thread the moment a peer fails mid-
   transfer (:meth:`~hetpipe.comm.threaded.ThreadedChannel.notify_failures`),
   a lost peer after the wait below;
-* each rank's watch thread polls the key (a store client of its own, so a
-  blocked operation of the main thread never delays it), and posts when one of
-  this node's selected NICs goes down; a store that stops answering is node 0
-  lost, since node 0's launcher hosts it;
+* each rank's watch thread checks this node's NICs - its channel NICs and
+  the one that leads to the store - and stops the job when one goes down,
+  then polls the key; the NIC check never waits for the store. The store is
+  reached through a client of the watch's own, driven by a thread of its own
+  (:mod:`hetpipe.launch.store_calls`): a request waits at most half the
+  deadline, nobody holds a lock while it waits, and a store that does not
+  answer by then, or fails, is node 0 lost (node 0's launcher hosts it),
+  named with the NIC this node reaches it through;
 * a rank whose collective failed, whose boundary wait timed out without
   evidence of what stalled, or whose boundary peer closed or reset its
   connection, waits up to ``_GRACE_S`` for a posted cause before posting its
@@ -41,26 +45,39 @@ The keys live under the job's attempt (:func:`namespace`): an elastic agent
 keeps one store for all restarts of a job (torch's agent hosts it and hands
 every attempt the same address), so without it a restarted attempt would read
 the last attempt's verdict and stop at once - and gloo would dial the last
-attempt's addresses.
+attempt's addresses. The verdict is sealed with the job secret for its key
+and attempt (:mod:`hetpipe.launch.verdicts`): one that anybody else wrote is
+ignored, with one warning line per node, and a job without a secret stops
+at start-up, its ranks with status 2 and a line saying what to set.
 
-Measured on two emulated nodes (tests/test_node_faults.py, deadline 15 s,
-two busy cores): a NIC taken down stops all four ranks 1.8 s later, a killed
-node stops the other's ranks in 3.7 s (1.9 s before their lost connections
-waited ``_GRACE_S`` for a better cause), a link that goes silent without a
-NIC changing state in 9.6 s (half the deadline, comm/tcp.py). A single rank
-killed on a node is named by its launcher on every rank of both nodes
+Measured on two emulated nodes, two busy cores. Every NIC of either node
+taken down mid-run, on a switch and on a direct cable (tests/test_nic_faults.py,
+deadline 8 s), ended both launchers with status 3 1.9 to 13.3 s later: within
+4 s where the other node read the posted cause; where node 1's route to the
+store died, its line came 0.15 s after the NIC went down (it used to come
+never: the watch blocked in a store request for 9.7 minutes, until killed)
+and its launcher exited 10.7 to 13.3 s after (5 s for its rendezvous call,
+:func:`hetpipe.torch_compat.bound_rendezvous_calls`, and 5 s for the
+verdict, hetpipe/launch/agent.py); a node that could no longer reach the
+store said so after 4 s (half the deadline) and its launcher exited at 11.2 s.
+With a 15 s deadline (tests/test_node_faults.py), a killed node stops the
+other's ranks in 3.7 to 4.1 s (1.9 s before their lost connections waited
+``_GRACE_S`` for a better cause), a link that goes silent without a NIC
+changing state in 9.6 to 10.5 s (half the deadline, comm/tcp.py). A single
+rank killed on a node is named by its launcher on every rank of both nodes
 (tests/test_root_cause.py).
 """
 from __future__ import annotations
 
-import json
+import ipaddress
 import os
 import re
+import socket
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import NamedTuple, NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -70,10 +87,12 @@ from hetpipe.comm.tcp_links import LinkStalled
 from hetpipe.comm.threaded import PeerLost
 from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER, HetpipeError, error_line
 from hetpipe.launch.nodes import NodeMap, NodeMissing
-from hetpipe.launch.preemption import marker_dir
-from hetpipe.launch.rank_env import restart_attempt
+from hetpipe.launch.store_calls import BoundedClient, Request
+from hetpipe.launch.verdicts import (ABORT_KEY, Verdict, first_on_node, job_seal, namespace, post_in, post_verdict,
+                                     posted_verdict, read_in)
 
-ABORT_KEY = "hetpipe/abort"
+__all__ = ["ABORT_KEY", "JobWatch", "Verdict", "namespace", "post_verdict", "posted_verdict", "stop_rank"]
+
 # Four polls a second: a stopped job is noticed well within a second on every
 # rank, for one small store request per rank.
 _POLL_S = 0.25
@@ -86,6 +105,13 @@ _GRACE_S = 2.0
 # Four polls: every rank of the node has read the cause before torchrun,
 # which stops a node's ranks once one exits (0.1 s later), reaches them.
 _LINGER_S = 1.0
+# A store request that takes longer than this share of the deadline (at most
+# _STORE_CAP_S) has lost the store: as a boundary link that carried nothing for
+# half the deadline has stalled (comm/tcp.py). A healthy store answers the
+# watch's poll in milliseconds; a request over a NIC that went down waited
+# for TCP's retransmission timeout (9.7 minutes, until killed: issue 32).
+_STORE_SHARE = 0.5
+_STORE_CAP_S = 60.0
 _DOWN_STATES = ("down", "lowerlayerdown", "notpresent")
 # Where gloo names its peer: "Connection closed by peer [10.201.0.2]:41234".
 _GLOO_PEER = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
@@ -96,25 +122,6 @@ _exiting = threading.Lock()
 _said = threading.Lock()  # held once this process printed its line
 
 
-def namespace(attempt: Optional[int] = None) -> str:
-    """The prefix of every key this attempt of the job writes to the rendezvous store."""
-    return f"hetpipe/attempt{restart_attempt() if attempt is None else attempt}"
-
-
-def post_verdict(store: dist.Store, rank: int, reason: str, code: int) -> tuple[Verdict, float]:
-    """Post ``reason`` (ending ranks with ``code``) in ``store`` (already under :func:`namespace`)
-    unless a verdict is there already; returns the one that stands, and when it was posted
-    (its poster's ``time.time()``)."""
-    value = json.dumps({"rank": rank, "reason": reason, "code": code, "time": time.time()})
-    raw = store.compare_set(ABORT_KEY, "", value)
-    return _verdict(raw), json.loads(raw.decode()).get("time", 0.0)
-
-
-def posted_verdict(store: dist.Store) -> Optional[Verdict]:
-    """The verdict posted in ``store`` (already under :func:`namespace`), if any."""
-    return _verdict(store.get(ABORT_KEY)) if store.check([ABORT_KEY]) else None
-
-
 class JobWatch:
     """This rank's view of the job's one failure: posts it, polls for it, stops the rank on it.
 
@@ -122,20 +129,26 @@ class JobWatch:
     of its own, whose keys go under ``prefix``, the attempt's :func:`namespace`);
     ``nodes`` and ``boundaries`` (this node's cross-node rank pairs, as ``(this
     rank, peer rank, "stage 1 <-> stage 2")``) come from the topology once the
-    roll call is done (:meth:`arm`).
+    roll call is done (:meth:`arm`). The job secret seals what it posts and
+    opens what it reads (:mod:`hetpipe.launch.verdicts`); a job without one
+    stops here, with one line (:func:`~hetpipe.launch.verdicts.job_seal`).
     """
 
     def __init__(self, store: dist.TCPStore, rank: int, deadline: float, prefix: str) -> None:
         self.rank = rank
         self.nodes: Optional[NodeMap] = None
-        self._client = dist.PrefixStore(prefix, dist.TCPStore(store.host, store.port, is_master=False,
-                                                              timeout=timedelta(seconds=deadline)))
-        self._lock = threading.Lock()  # one request at a time on the client
+        self._seal = job_seal()
+        self._who = f"[rank {rank}] "
+        self._store_at = (store.host, store.port)
+        client = dist.PrefixStore(prefix, dist.TCPStore(store.host, store.port, is_master=False,
+                                                        timeout=timedelta(seconds=deadline)))
+        self._calls = BoundedClient(client, min(deadline * _STORE_SHARE, _STORE_CAP_S),
+                                    f"{store.host}:{store.port}", name=f"hetpipe-watch-{rank}-store")
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._nics: list[Nic] = []
+        self._store_nic: Optional[Nic] = None  # the NIC this node reaches the store through, if not its own
         self._boundaries: list[tuple[int, int, str]] = []
-        self._store_error: Optional[BaseException] = None
 
     # -- life cycle -------------------------------------------------------------
     def install(self) -> JobWatch:
@@ -145,10 +158,13 @@ class JobWatch:
         return self
 
     def arm(self, nodes: NodeMap, nics: Sequence[Nic], boundaries: Sequence[tuple[int, int, str]]) -> None:
-        """Start polling, with the job's nodes, this node's channel NICs and cross-node boundaries."""
+        """Start polling, with the job's nodes, this node's channel NICs and cross-node boundaries
+        (and the NIC that leads to the store, when it is on another node)."""
         self.nodes, self._nics, self._boundaries = nodes, list(nics), list(boundaries)
+        self._store_nic = _route_to(self._store_at[0])
         up = {i.name for i in list_interfaces() if i.state not in _DOWN_STATES}
-        watched = [nic for nic in self._nics if nic.name in up]  # one already down cannot go down
+        named = {nic.name: nic for nic in [*self._nics, *filter(None, [self._store_nic])]}
+        watched = [nic for name, nic in named.items() if name in up]  # one already down cannot go down
         self._thread = threading.Thread(target=self._run, args=(watched,), daemon=True,
                                         name=f"hetpipe-watch-{self.rank}")
         self._thread.start()
@@ -161,45 +177,32 @@ class JobWatch:
             self._thread.join(2 * _POLL_S)
 
     # -- the one reason ------------------------------------------------------------
-    def posted(self) -> Optional[Verdict]:
-        """The reason posted so far, with the status it ends ranks with, if any."""
-        with self._lock:
-            self._check_store()
-            try:
-                return posted_verdict(self._client)
-            except Exception as exc:
-                self._store_error = exc
-                raise
+    def posted(self, wait: Optional[float] = None) -> Optional[Verdict]:
+        """The reason posted so far, with the status it ends ranks with, if any; raises if the
+        store is lost or gives no answer within ``wait`` s (default: its limit)."""
+        return self._calls.call(self._read, wait)
 
     def post(self, reason: str, code: int = EXIT_LOST_PEER) -> Verdict:
         """Post ``reason`` (ending ranks with ``code``) unless one is there already;
         returns the one that stands."""
-        with self._lock:
-            self._check_store()
-            try:
-                return post_verdict(self._client, self.rank, reason, code)[0]
-            except Exception as exc:
-                self._store_error = exc
-                raise
+        return self._calls.call(self._poster(reason, code))
 
-    def _check_store(self) -> None:
-        """Once the store failed, fail at once: each further request would wait out its
-        timeout, and c10d logs every failed one with a C++ backtrace."""
-        if self._store_error is not None:
-            raise RuntimeError(f"the job's store failed before: {_first_line(self._store_error)}")
+    def _read(self, client: Any) -> Optional[Verdict]:
+        return read_in(client, self._seal, self._who)
+
+    def _poster(self, reason: str, code: int) -> Any:
+        return lambda client: post_in(client, self._seal, self.rank, reason, code, self._who)[0]
 
     def report(self, error: ChannelError) -> None:
         """A channel's failure hook (on the channel's I/O thread): post its cause - a lost
-        peer only if no better cause is posted within ``_GRACE_S`` (on a thread of its own,
-        so the channel fails its pending transfers meanwhile)."""
+        peer only if no better cause is posted within ``_GRACE_S`` (on a thread of its own).
+        Never waits for the store: the post is queued ahead of any the main thread makes
+        once its transfer fails, so it stands over theirs."""
         if isinstance(error, PeerLost):
             threading.Thread(target=self._report_unless_explained, args=(error,), daemon=True,
                              name=f"hetpipe-watch-{self.rank}-lost").start()
             return
-        try:
-            self.post(self.explain(error), _status_of(error))
-        except Exception:  # noqa: BLE001 - the store is gone too; the main thread reports
-            pass
+        self._calls.submit(self._poster(self.explain(error), _status_of(error)))
 
     def _report_unless_explained(self, error: PeerLost) -> None:
         try:
@@ -209,11 +212,12 @@ class JobWatch:
             pass
 
     def wait_for_verdict(self, grace: float = _GRACE_S) -> Optional[Verdict]:
-        """The verdict posted within ``grace`` seconds, if any (None too when the store fails)."""
+        """The verdict posted within ``grace`` seconds, if any (None too when the store fails
+        or does not answer within it)."""
         until = time.monotonic() + grace
         while True:
             try:
-                verdict = self.posted()
+                verdict = self.posted(wait=max(until - time.monotonic(), 0.05))
             except Exception:  # noqa: BLE001
                 return None
             if verdict is not None or time.monotonic() >= until:
@@ -251,59 +255,95 @@ class JobWatch:
             standing = Verdict(reason, code)
         _say(self.rank, standing.reason)
 
-    def stop_job(self, reason: str, code: int = EXIT_LOST_PEER) -> NoReturn:
-        """Post ``reason`` (unless another stands), print the standing one, stop this rank."""
-        try:
-            standing = self.post(reason, code)
-        except Exception:  # noqa: BLE001 - the store is unreachable: say our own reason
-            standing = Verdict(reason, code)
+    def stop_job(self, reason: str, code: int = EXIT_LOST_PEER, post: bool = True) -> NoReturn:
+        """Post ``reason`` (unless another stands, or not ``post``: the store is out of
+        reach), print the standing one, stop this rank."""
+        standing = Verdict(reason, code)
+        if post:
+            try:
+                standing = self.post(reason, code)
+            except Exception:  # noqa: BLE001 - the store is unreachable: say our own reason
+                pass
         _exit(self.rank, standing.reason, standing.code)
 
     # -- the watch thread ------------------------------------------------------------
     def _run(self, watched: list[Nic]) -> None:
+        """This node's NICs first, every poll, whatever the store does; then the store's
+        answer to the last poll, if it came (a poll never holds up the next NIC check)."""
+        pending: Optional[Request[Optional[Verdict]]] = None
         while not self._stopped.wait(_POLL_S):
-            try:
-                verdict = self.posted()
-            except Exception as exc:  # noqa: BLE001 - any store failure means its host is gone
-                if self._stopped.is_set():
-                    return
-                assert self.nodes is not None
-                _exit(self.rank, f"{self.nodes.label(0)} lost: the job's store there stopped answering "
-                                 f"({_first_line(exc)})", EXIT_LOST_PEER)
-            if verdict is not None and not self._stopped.is_set():
-                _exit(self.rank, verdict.reason, verdict.code)
-            if watched:
-                states = {i.name: i.state for i in list_interfaces()}
-                for nic in watched:
-                    if states.get(nic.name, "notpresent") in _DOWN_STATES and not self._stopped.is_set():
-                        self.stop_job(self._nic_down(nic))
+            self._check_nics(watched)
+            pending = self._poll(pending)
+
+    def _check_nics(self, watched: list[Nic]) -> None:
+        if not watched:
+            return
+        states = {i.name: i.state for i in list_interfaces()}
+        for nic in watched:
+            if states.get(nic.name, "notpresent") in _DOWN_STATES and not self._stopped.is_set():
+                # Over a NIC that leads to the store, a post would only wait out the store's limit.
+                self.stop_job(self._nic_down(nic), post=nic.name != getattr(self._store_nic, "name", None))
+
+    def _poll(self, pending: Optional[Request[Optional[Verdict]]]) -> Optional[Request[Optional[Verdict]]]:
+        """Start a poll of the store, or take the last one's answer; stop the rank on a
+        verdict, or when the store is lost."""
+        if pending is None:
+            return self._calls.submit(self._read)
+        if not pending.done.is_set():
+            if self._calls.failure() is not None:
+                self._store_lost()
+            return pending
+        try:
+            verdict = pending.answer()
+        except Exception:  # noqa: BLE001 - any store failure means its host, or the way to it, is gone
+            self._store_lost()
+            return None
+        if verdict is not None and not self._stopped.is_set():
+            _exit(self.rank, verdict.reason, verdict.code)
+        return None
+
+    def _store_lost(self) -> None:
+        if self._stopped.is_set():
+            return
+        assert self.nodes is not None
+        nic = self._store_nic
+        via = f", reached through NIC {nic.name} ({nic.address}) of {self.nodes.label_of(self.rank)}" if nic else ""
+        _exit(self.rank, f"{self.nodes.label(0)} lost: {self._calls.failure()}{via}", EXIT_LOST_PEER)
 
     def _nic_down(self, nic: Nic) -> str:
         assert self.nodes is not None
-        index = self._nics.index(nic)
-        carried = [f"{pair} (rank {mine} <-> rank {peer}) with {self.nodes.label_of(peer)} over "
-                   f"{nic.address} <-> {(self.nodes.addresses.get(peer, ()) + ('?',) * (index + 1))[index]}"
-                   for mine, peer, pair in self._boundaries]
-        what = "; ".join(carried) if carried else "this node's share of the world group"
+        carried = [f"the job's store connection to {self.nodes.label(0)} at {self._store_at[0]}:{self._store_at[1]}"
+                   for store_nic in [self._store_nic] if store_nic is not None and store_nic.name == nic.name]
+        index = next((k for k, mine in enumerate(self._nics) if mine.name == nic.name), None)
+        if index is not None:
+            carried[:0] = [f"{pair} (rank {mine} <-> rank {peer}) with {self.nodes.label_of(peer)} over {nic.address} "
+                           f"<-> {(self.nodes.addresses.get(peer, ()) + ('?',) * (index + 1))[index]}"
+                           for mine, peer, pair in self._boundaries] or ["this node's share of the world group"]
         return (f"NIC {nic.name} ({nic.address}) of {self.nodes.label_of(self.rank)} went down: it carries "
-                f"{what}; hetpipe stops rather than move its traffic to the remaining NICs (comm/tcp.py)")
+                f"{'; '.join(carried)}; hetpipe stops rather than move its traffic to the remaining NICs "
+                "(comm/tcp.py)")
 
 
-class Verdict(NamedTuple):
-    """The job's one reason to stop, and the exit status every rank gives it."""
-    reason: str
-    code: int
+def _route_to(host: str) -> Optional[Nic]:
+    """The NIC through which this node reaches ``host`` (the store's), as routing picks it
+    now; None when ``host`` is this node's own (its loopback, or one of its addresses)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)  # a datagram socket's connect sends nothing: it only routes
+            source = probe.getsockname()[0]
+    except OSError:
+        return None
+    interfaces = list_interfaces()
+    if ipaddress.ip_address(sockaddr[0]).is_loopback or any(sockaddr[0] in i.addresses for i in interfaces):
+        return None
+    return next((Nic(i.name, source) for i in interfaces if source in i.addresses), None)
 
 
 def _status_of(exc: HetpipeError) -> int:
     """A peer that misbehaves on the wire is bad input; one that vanished is not; a
     device out of memory is its own status (errors.EXIT_OUT_OF_MEMORY)."""
     return EXIT_LOST_PEER if isinstance(exc, (PeerLost, LinkStalled, NodeMissing)) else exc.exit_status
-
-
-def _verdict(raw: bytes) -> Verdict:
-    posted = json.loads(raw.decode())
-    return Verdict(posted["reason"], posted.get("code", EXIT_LOST_PEER))
 
 
 def _exit(rank: int, reason: str, code: int, linger: bool = True) -> NoReturn:
@@ -319,31 +359,9 @@ def _exit(rank: int, reason: str, code: int, linger: bool = True) -> NoReturn:
 
 def _say(rank: int, reason: str) -> None:
     """This process's one line, once (announce, then _exit, print it once), and
-    only by the first rank of its node's launch to get here (:func:`_first_here`)."""
-    if _said.acquire(blocking=False) and _first_here():
+    only by the first rank of its node's launch to get here (:func:`~hetpipe.launch.verdicts.first_on_node`)."""
+    if _said.acquire(blocking=False) and first_on_node("said"):
         error_line(f"[rank {rank}] {reason}")
-
-
-def _first_here() -> bool:
-    """Whether no other rank of this node's launch has said the job's line yet.
-
-    Every rank ends with the cause that stands, and each used to print it: two
-    identical lines from two ranks, eight from a node of eight, for one cause.
-    The first rank to print leaves a file in its attempt's launch directory;
-    the others exit with the same status and say nothing. Without a launch
-    directory (a rank run by hand) every rank prints.
-    """
-    directory = marker_dir(restart_attempt())
-    if directory is None:
-        return True
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(directory / "said", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def _first_line(exc: BaseException) -> str:
