@@ -14,7 +14,9 @@
 #      HF export of that checkpoint;
 # two: on two GPUs, the pipeline boundary over NCCL (gpu2_homogeneous), the
 #      device-direct and the TCP CPU-forwarding channel (gpu2_mixed), the
-#      zero-bubble schedules zb_h1 and zb_v, and plan=auto;
+#      zero-bubble schedules zb_h1 and zb_v, plan=auto, and the three
+#      boundaries again with train.deterministic=true, whose curves
+#      python -m hetpipe.compare must find bitwise identical (row "parity");
 # all (default): one, then two where the machine has two GPUs.
 # --data is a Megatron indexed dataset prefix (PREFIX.bin/.idx, byte
 # tokenizer, e.g. from scripts/preprocess_data.py); without it the runs use
@@ -87,6 +89,14 @@ two() {
   run zb_h1 cluster=gpu2_homogeneous partition.layers=[4,4] partition.schedule=zb_h1
   run zb_v cluster=gpu2_homogeneous partition.layers=[2,2,2,2] partition.schedule=zb_v partition.num_chunks=2
   run plan_auto cluster=gpu2_mixed cluster.transport.kind=direct plan=auto
+  # train.deterministic: the channels move bytes exactly, so direct and tcp must give NCCL's curve bit for bit.
+  run nccl_det cluster=gpu2_homogeneous partition.layers=[4,4] train.deterministic=true
+  run direct_det cluster=gpu2_mixed cluster.transport.kind=direct partition.layers=[4,4] train.deterministic=true
+  run tcp_det cluster=gpu2_mixed cluster.transport.kind=tcp partition.layers=[4,4] train.deterministic=true
+  local start=$SECONDS
+  echo "== parity: python -m hetpipe.compare nccl_det direct_det tcp_det (bitwise: deterministic runs)"
+  "$py" -m hetpipe.compare "$out/nccl_det" "$out/direct_det" "$out/tcp_det" --out "$out/parity" > "$out/parity.log" 2>&1
+  record parity $? "$out/parity.log" $((SECONDS - start))
 }
 
 case "$part" in
