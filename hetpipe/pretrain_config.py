@@ -71,8 +71,10 @@ class TrainConfig:
     # cuDNN), no GEMM SM carveout; hetpipe/determinism.py says why each. Two
     # NCCL runs on 2xH100 (0.75B LLaMA-3 shape, bf16, 200 steps) otherwise
     # differed by up to 1.8e-2 relative in loss, which hides a channel's
-    # parity (issue 31). Costs speed (flash instead of cuDNN attention above
-    # all): scripts/determinism_check.sh measures it; not yet on GPUs.
+    # parity (issue 31). Costs speed: on 2xH100 (that shape) steps took
+    # 1.16x (NCCL boundary), 1.12x (direct) and 1.11x (tcp) as long, and
+    # NCCL, direct and tcp were then bitwise identical over 200 steps
+    # (scripts/determinism_check.sh, docs/benchmarks.md).
     deterministic: bool = False
     # Profile this optimizer step (1-based) on GPU ranks: each writes
     # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
