@@ -27,7 +27,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,10 +89,23 @@ def choose_mover(a: MoverFacts, b: MoverFacts) -> tuple[str, str]:
     return "tcp", f"two hosts, no RDMA on one end: {missing[0]}"
 
 
+class Sealer(Protocol):
+    """The job secret's seal for store values (hetpipe.launch.store_seal.Seal): ``open_text``
+    raises a ValueError, saying why, for a value this job did not write."""
+
+    def seal_text(self, key: str, text: str) -> str: ...
+
+    def open_text(self, key: str, raw: bytes) -> str: ...
+
+
 def exchange_mover_facts(store: dist.Store, rank: int, peers: Sequence[int], mine: MoverFacts,
-                         names: Mapping[int, str], deadline: float) -> dict[int, MoverFacts]:
-    """Publish ``mine`` and read each peer's, waiting at most ``deadline`` s."""
-    store.set(_FACTS_KEY.format(rank), json.dumps(asdict(mine)))
+                         names: Mapping[int, str], deadline: float,
+                         seal: Optional[Sealer] = None) -> dict[int, MoverFacts]:
+    """Publish ``mine`` and read each peer's, waiting at most ``deadline`` s; with ``seal``,
+    sealed, and a peer's entry that is not this job's stops the channel (the facts decide
+    which mover both ends run)."""
+    text = json.dumps(asdict(mine))
+    store.set(_FACTS_KEY.format(rank), seal.seal_text(_FACTS_KEY.format(rank), text) if seal else text)
     keys = [_FACTS_KEY.format(p) for p in peers]
     try:
         store.wait(keys, timedelta(seconds=deadline))
@@ -102,8 +115,15 @@ def exchange_mover_facts(store: dist.Store, rank: int, peers: Sequence[int], min
                            "movers it can run (cluster.transport.deadline_s)") from None
     facts = {}
     for p, key in zip(peers, keys):
+        raw = store.get(key)
         try:
-            facts[p] = MoverFacts(**json.loads(store.get(key).decode()))
+            text = seal.open_text(key, raw) if seal else raw.decode()
+        except ValueError as exc:
+            raise ChannelError(f"{names[p]}'s direct-mover facts ({key}) in the job's store are not this job's: "
+                               f"{exc}; a process outside the job wrote them, so the channel stops rather than "
+                               "let them choose its mover") from None
+        try:
+            facts[p] = MoverFacts(**json.loads(text))
         except (ValueError, TypeError, UnicodeDecodeError) as exc:
             raise ChannelError(f"{names[p]} published malformed mover facts: {exc}") from None
     return facts
@@ -113,7 +133,8 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
                         names: Mapping[int, str], store: dist.Store, cluster: ClusterConfig, token: str,
                         device: torch.device, p2p_groups: Mapping[tuple[int, int], dist.ProcessGroup],
                         nics: Sequence[Nic],
-                        on_failure: Callable[[ChannelError], None] | None = None) -> dict[int, Channel]:
+                        on_failure: Callable[[ChannelError], None] | None = None,
+                        seal: Optional[Sealer] = None) -> dict[int, Channel]:
     """The channel to each of ``same_vendor`` and ``cross_vendor`` (global ranks), keyed by rank.
 
     ``names`` names every rank in errors; ``store`` is the job's rendezvous
@@ -142,7 +163,7 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
         choices = {p: (kind, f"cluster.transport.kind={kind}") for p in peers}
         if kind == "direct" and transport.mover == "auto":
             mine = MoverFacts.local(device)
-            facts = exchange_mover_facts(store, rank, peers, mine, names, transport.deadline_s)
+            facts = exchange_mover_facts(store, rank, peers, mine, names, transport.deadline_s, seal)
             choices = {p: choose_mover(facts[p], mine) for p in peers}
         elif kind == "direct":
             choices = {p: (transport.mover, f"cluster.transport.mover={transport.mover}") for p in peers}

@@ -240,7 +240,8 @@ class Topology:
         addresses = [nic.address for nic in nics]
         check_dialable(addresses, False, setting)  # a wildcard is refused on one host too
         self.nodes = roll_call(self.store, self.rank, NodeMap.layout(self.cluster, multi_node), addresses,
-                               transport.deadline_s, self.watch.posted, device_facts(self.device, self.catalog))
+                               transport.deadline_s, self.watch.posted, device_facts(self.device, self.catalog),
+                               seal=self.watch.seal)
         self._check_devices(self.nodes.devices)
         # Loopback joins ranks that share a network stack, which the roll call has just seen.
         check_dialable(addresses, self.nodes.multi_host, setting)
@@ -364,7 +365,8 @@ class Topology:
             cross_vendor=[r for r in peers if self.is_cross_vendor(self.rank, r)],
             names={r: self.stage_name(r) for r in range(self.world_size)}, store=self.store, cluster=self.cluster,
             token=token, device=self.device, p2p_groups=self.p2p_groups, nics=self.nics,
-            on_failure=self.watch.report if self.watch is not None else None)
+            on_failure=self.watch.report if self.watch is not None else None,
+            seal=self.watch.seal if self.watch is not None else None)
         for s in self.neighbours:
             self.channels[s] = StageLink(self.rank, s, f"stage {s}", targets[s], sources[s], self._rank_channels)
         return self.channels

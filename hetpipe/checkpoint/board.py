@@ -144,7 +144,9 @@ class FileBoard(Board):
 class StoreBoard(Board):
     """The job's TCPStore, through a client of this board's own."""
 
-    def __init__(self, store: Any, rank: int, world: int, wait_s: float = WAIT_S) -> None:
+    def __init__(self, store: Any, rank: int, world: int, wait_s: float = WAIT_S, seal: Any = None) -> None:
+        """``seal`` (hetpipe.launch.store_seal.Seal, the job secret's) seals every value this board
+        posts; a value that is not this job's then fails the save in one line."""
         import torch.distributed as dist
 
         global _boards
@@ -156,11 +158,26 @@ class StoreBoard(Board):
         if hasattr(base, "host") and hasattr(base, "port"):
             store = dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=wait_s))
         self.client = store
+        self.seal = seal
         _boards += 1
         self.prefix = f"hetpipe/checkpoint/attempt{restart_attempt()}/board{_boards}/"
 
     def _key(self, *parts: object) -> str:
         return self.prefix + "/".join(map(str, parts))
+
+    def _set(self, key: str, text: str) -> None:
+        self.client.set(key, self.seal.seal_text(key, text) if self.seal else text)
+
+    def _get(self, key: str) -> str:
+        raw = self.client.get(key)
+        if self.seal is None:
+            return raw.decode()
+        try:
+            return self.seal.open_text(key, raw)
+        except ValueError as exc:
+            raise CheckpointError(f"the checkpoint board's {key} in the job's store is not this job's: {exc}; "
+                                  "a process outside the job wrote it, so this save stops rather than trust it") \
+                from None
 
     def _wait(self, keys: list[str], what: str) -> None:
         until = time.monotonic() + self.wait_s
@@ -176,14 +193,14 @@ class StoreBoard(Board):
     def _gather(self, name: str, ranks: list[int], what: str) -> dict[int, Any]:
         keys = [self._key(name, r) for r in ranks]
         self._wait(keys, what)
-        return {r: json.loads(self.client.get(k)) for r, k in zip(ranks, keys)}
+        return {r: json.loads(self._get(k)) for r, k in zip(ranks, keys)}
 
     def directory(self, save_dir: Path) -> list[int]:
         everyone = list(range(self.world))
         if self.rank == 0:
-            self.client.set(self._key("probe", "nonce"), secrets.token_hex(8))
+            self._set(self._key("probe", "nonce"), secrets.token_hex(8))
         self._wait([self._key("probe", "nonce")], "finding which ranks share a checkpoint directory")
-        nonce = self.client.get(self._key("probe", "nonce")).decode()
+        nonce = self._get(self._key("probe", "nonce"))
         probe = save_dir / f".probe-{nonce}-rank{self.rank:05d}"
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
@@ -191,11 +208,11 @@ class StoreBoard(Board):
         except OSError as exc:
             raise CheckpointError(f"checkpoint directory {save_dir} is not writable: "
                                   f"{exc.strerror or exc}") from None
-        self.client.set(self._key("probe", "written", self.rank), "1")
+        self._set(self._key("probe", "written", self.rank), "1")
         self._gather("probe/written", everyone, "finding which ranks share a checkpoint directory")
         # By name rather than by listing: a lookup revalidates on NFS where a cached listing may lag.
         seen = [r for r in everyone if (save_dir / f".probe-{nonce}-rank{r:05d}").exists()]
-        self.client.set(self._key("probe", "seen", self.rank), json.dumps(seen))
+        self._set(self._key("probe", "seen", self.rank), json.dumps(seen))
         views = self._gather("probe/seen", everyone, "finding which ranks share a checkpoint directory")
         probe.unlink()
         for r, view in views.items():
@@ -206,18 +223,18 @@ class StoreBoard(Board):
         return seen
 
     def holdings(self, mine: dict[str, Any]) -> Optional[dict[int, dict[str, Any]]]:
-        self.client.set(self._key("holdings", self.rank), json.dumps(mine))
+        self._set(self._key("holdings", self.rank), json.dumps(mine))
         return self._gather("holdings", list(range(self.world)), "exchanging what each rank holds")
 
     def post_part(self, step: int, part: dict[str, Any], tmp: Path) -> None:
-        self.client.set(self._key(f"step{step}", "part", self.rank), json.dumps(part))
+        self._set(self._key(f"step{step}", "part", self.rank), json.dumps(part))
 
     def parts(self, step: int, tmp: Path) -> list[dict[str, Any]]:
         got = self._gather(f"step{step}/part", list(range(self.world)), f"committing the checkpoint of step {step}")
         return _check_parts([got[r] for r in range(self.world)])
 
     def post_outcome(self, step: int, outcome: dict[str, Any]) -> None:
-        self.client.set(self._key(f"step{step}", "outcome", self.rank), json.dumps(outcome))
+        self._set(self._key(f"step{step}", "outcome", self.rank), json.dumps(outcome))
 
     def outcomes(self, step: int) -> dict[int, dict[str, Any]]:
         return self._gather(f"step{step}/outcome", self.committers, f"waiting for the commit of step {step}")

@@ -53,7 +53,7 @@ class CheckpointSaver:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, *, model_cfg: ModelConfig, rank: int = 0,
                  world_size: int = 1, plan: Optional[Plan] = None, store: Any = None, node: int = 0,
-                 node_label: Optional[str] = None, board: Optional[Board] = None) -> None:
+                 node_label: Optional[str] = None, board: Optional[Board] = None, seal: Any = None) -> None:
         self.cfg, self.model_cfg, self.plan = cfg, model_cfg, plan
         self.rank, self.world_size, self.node = rank, world_size, node
         self.node_label = node_label or f"node {node}"
@@ -61,7 +61,7 @@ class CheckpointSaver:
         if board is None:
             if world_size > 1 and store is None:
                 raise ValueError("a CheckpointSaver of a job with several ranks needs the job's store")
-            board = StoreBoard(store, rank, world_size) if world_size > 1 else LocalBoard()
+            board = StoreBoard(store, rank, world_size, seal=seal) if world_size > 1 else LocalBoard()
         self.board = board
         self._directory: Optional[list[int]] = None
         self._everyone: Optional[dict[int, dict[str, Holding]]] = None
@@ -78,10 +78,11 @@ class CheckpointSaver:
     def for_topology(cls, cfg: CheckpointConfig, run_dir: str | Path, topo: Any, model_cfg: ModelConfig,
                      plan: Optional[Plan]) -> CheckpointSaver:
         """The saver of the rank ``topo`` (a :class:`hetpipe.topology.Topology`) describes."""
-        nodes = getattr(topo, "nodes", None)
+        nodes, watch = getattr(topo, "nodes", None), getattr(topo, "watch", None)
         return cls(cfg, run_dir, model_cfg=model_cfg, rank=topo.rank, world_size=topo.world_size, plan=plan,
                    store=topo.store, node=nodes.node_of[topo.rank] if nodes else 0,
-                   node_label=nodes.label_of(topo.rank) if nodes else None)
+                   node_label=nodes.label_of(topo.rank) if nodes else None,
+                   seal=watch.seal if watch is not None else None)
 
     # -- the trainer's API ---------------------------------------------------
 

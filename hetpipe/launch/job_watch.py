@@ -137,7 +137,7 @@ class JobWatch:
     def __init__(self, store: dist.TCPStore, rank: int, deadline: float, prefix: str) -> None:
         self.rank = rank
         self.nodes: Optional[NodeMap] = None
-        self._seal = job_seal()
+        self.seal = job_seal()  # also the roll call's and the direct channel's (hetpipe.topology)
         self._who = f"[rank {rank}] "
         self._store_at = (store.host, store.port)
         client = dist.PrefixStore(prefix, dist.TCPStore(store.host, store.port, is_master=False,
@@ -188,10 +188,10 @@ class JobWatch:
         return self._calls.call(self._poster(reason, code))
 
     def _read(self, client: Any) -> Optional[Verdict]:
-        return read_in(client, self._seal, self._who)
+        return read_in(client, self.seal, self._who)
 
     def _poster(self, reason: str, code: int) -> Any:
-        return lambda client: post_in(client, self._seal, self.rank, reason, code, self._who)[0]
+        return lambda client: post_in(client, self.seal, self.rank, reason, code, self._who)[0]
 
     def report(self, error: ChannelError) -> None:
         """A channel's failure hook (on the channel's I/O thread): post its cause - a lost

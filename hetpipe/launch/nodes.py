@@ -30,6 +30,7 @@ from hetpipe.comm.nics import network_identity
 from hetpipe.devices.facts import DeviceFacts
 from hetpipe.errors import EXIT_LOST_PEER, HetpipeError
 from hetpipe.launch.scheduler_env import node_layout
+from hetpipe.launch.store_seal import ForgedStoreValue, Seal, Unsealed
 
 # How often the roll call looks for a failure another rank posted meanwhile.
 _POLL_S = 0.5
@@ -84,16 +85,19 @@ def _key(rank: int) -> str:
 
 
 def roll_call(store: dist.Store, rank: int, layout: NodeMap, addresses: Sequence[str], deadline: float,
-              posted: Callable[[], Optional[tuple[str, int]]], device: Optional[DeviceFacts] = None) -> NodeMap:
+              posted: Callable[[], Optional[tuple[str, int]]], device: Optional[DeviceFacts] = None,
+              seal: Optional[Seal] = None) -> NodeMap:
     """Publish this rank's ``addresses`` and ``device`` and wait up to ``deadline`` s for every rank
-    of ``layout``.
+    of ``layout``. With ``seal`` (the job secret's), every entry is sealed, and one that is not
+    this job's ends the roll call (:class:`ForgedStoreValue`): the addresses decide where ranks dial.
 
     Returns ``layout`` with every rank's addresses and devices. Ranks still missing at the
     deadline are a :class:`NodeMissing` naming their nodes; a failure another
     rank reported meanwhile (``posted``) ends the wait with that reason.
     """
-    store.set(_key(rank), json.dumps({"addresses": list(addresses), "network": network_identity(),
-                                      "device": device.to_dict() if device else None}))
+    mine = json.dumps({"addresses": list(addresses), "network": network_identity(),
+                       "device": device.to_dict() if device else None})
+    store.set(_key(rank), seal.seal_text(_key(rank), mine) if seal else mine)
     world = len(layout.node_of)
     keys = [_key(r) for r in range(world)]
     until = time.monotonic() + deadline
@@ -108,10 +112,20 @@ def roll_call(store: dist.Store, rank: int, layout: NodeMap, addresses: Sequence
                 raise (NodeMissing(reason) if code == EXIT_LOST_PEER else HetpipeError(reason)) from None
             if time.monotonic() >= until:
                 raise NodeMissing(_missing(store, layout, deadline)) from None
-    facts = {r: json.loads(store.get(_key(r)).decode()) for r in range(world)}
+    facts = {r: json.loads(_entry(store, r, seal)) for r in range(world)}
     return NodeMap(layout.node_of, layout.groups, {r: tuple(f["addresses"]) for r, f in facts.items()},
                    multi_host=len({f["network"] for f in facts.values()}) > 1,
                    devices={r: DeviceFacts.from_dict(f["device"]) for r, f in facts.items() if f.get("device")})
+
+
+def _entry(store: dist.Store, rank: int, seal: Optional[Seal]) -> str:
+    raw = store.get(_key(rank))
+    if seal is None:
+        return raw.decode()
+    try:
+        return seal.open_text(_key(rank), raw)
+    except Unsealed as exc:
+        raise ForgedStoreValue(f"the roll-call entry of rank {rank}", _key(rank), exc) from None
 
 
 def _missing(store: dist.Store, layout: NodeMap, deadline: float) -> str:

@@ -30,6 +30,8 @@ import json
 import struct
 from typing import Any
 
+from hetpipe.errors import HetpipeError
+
 _SALT = b"hetpipe job secret"
 _PURPOSE = b"hetpipe control-plane store values, version 1"
 _LABEL = b"hetpipe sealed store value v1"
@@ -85,3 +87,23 @@ class Seal:
         if not isinstance(body, dict):
             raise Unsealed("its body is not an object")
         return body
+
+    def seal_text(self, key: str, text: str) -> str:
+        """:meth:`seal` for a value that is text already (a JSON document, a nonce)."""
+        return self.seal(key, {"text": text})
+
+    def open_text(self, key: str, raw: bytes) -> str:
+        """The text :meth:`seal_text` sealed under ``key``; :class:`Unsealed` otherwise."""
+        text = self.open(key, raw).get("text")
+        if not isinstance(text, str):
+            raise Unsealed("it is not sealed text")
+        return text
+
+
+class ForgedStoreValue(HetpipeError):
+    """A value in the job's store that decides what a rank does, not sealed by this job."""
+
+    def __init__(self, what: str, key: str, why: Unsealed) -> None:
+        super().__init__(f"{what} ({key}) in the job's store is not this job's: {why}; a process outside the "
+                         "job wrote it (anyone who reaches the store's port can), so the job stops rather "
+                         "than act on it")
