@@ -64,7 +64,7 @@ def test_a_rank_whose_limit_is_too_low_says_so_in_one_line():
     # on its node need more than its launcher does).
     code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40)); "
             "from hetpipe.launch.fd_limit import Need; from hetpipe.launch.local import _worker; "
-            "_worker(print, ('trained',), Need(63, 'each rank of 16 (1 connection to each neighbour)'))")
+            "_worker(print, ('trained',), fds=Need(63, 'each rank of 16 (1 connection to each neighbour)'))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True, capture_output=True, timeout=120)
     assert proc.returncode == 2 and "trained" not in proc.stdout, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [

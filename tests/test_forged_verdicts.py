@@ -32,11 +32,13 @@ STEPS = 12
 # Every rank pauses 4 s at step 3 (a slow step, hetpipe/launch/faults.py), so
 # the forgeries land mid-run however fast the steps are; the clean run pauses too.
 PAUSE = "sleep=4@step:step=3"
-SECRET = "9f" * 32
+SECRET = "c41d8e07a96f3b25e1d04c7a8b93f6e215d0a7c48e39b6f1a02d5c8e7b4f9a36"  # as secrets.token_hex(32) draws
 # What a forger writes: the verdict as the ranks wrote it before issue 32.
 FORGED = [{"rank": 1, "reason": "node 1 (amd) lost: invented by someone else", "code": 3, "time": 1.0},
           {"rank": 1, "reason": "all done, go home", "code": 0, "time": 2.0}]
-WARNING = "hetpipe: warning: [rank "
+# Whoever of the node reads a forged value first says so - a rank's watch or the
+# launcher (which watches for a posted cause to end hung ranks) - once per node.
+WARNING = "hetpipe: warning: "
 
 
 def pretrain(run_dir: Path) -> subprocess.Popen:
