@@ -8,6 +8,11 @@
 # minutes), two workers still left a third of them idle, so the third worker
 # runs in that wait. Each worker takes whole modules (--dist loadscope: a
 # module's shared reference runs are made once), longest first (tests/conftest.py).
+# Every process of the suite runs torch on one intra-op thread (OMP_NUM_THREADS,
+# unless set): the test models are too small to gain from more, and with three
+# workers' processes on two cores, threads spinning in OpenMP barriers stole
+# each other's cores (tests/test_pretrain.py's 40-step CLI run: 15 s alone,
+# 100 s in the suite).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k hf -x`.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,4 +20,5 @@ bash "$root/scripts/setup_env.sh"
 cd "$root"
 cores=$(nproc)
 workers=${HETPIPE_TEST_WORKERS:-$((cores + 1 < 4 ? cores + 1 : 4))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$root/.venv/bin/python" -m pytest -q -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
