@@ -27,6 +27,7 @@ status=0
 # As scripts/test.sh: pytest-xdist workers, one more than the cores (at most 4), whole modules each.
 cores=$(nproc)
 workers=${HETPIPE_TEST_WORKERS:-$((cores + 1 < 4 ? cores + 1 : 4))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one intra-op thread per process, as scripts/test.sh says why
 for version in "${versions[@]}"; do
   venv="$root/.venv-torch$version"
   echo "hetpipe: torch $version: the multi-process subset in $venv" >&2
