@@ -31,17 +31,17 @@ def run_pretrain(run_dir: Path, args: list[str], timeout: float = 240) -> tuple[
     return proc, rows
 
 
-# scripts/test.sh runs the suite on one pytest-xdist worker per core, each
-# taking whole modules (--dist loadscope: a module's shared reference runs are
-# made once) in collection order (--no-loadscope-reorder). Handing out the
-# longest modules first keeps the last minutes from running on one core: these
-# took 50-240 s each on two cores (2026-11-26, --durations), most others < 30 s.
+# scripts/test.sh runs the suite on pytest-xdist workers, each taking whole
+# modules (--dist loadscope: a module's shared reference runs are made once)
+# in collection order (--no-loadscope-reorder). Handing out the longest
+# modules first keeps the last minutes from running on one worker: these took
+# 65-180 s each with three workers on two cores (2026-11-26, --durations),
+# most others < 60 s.
 LONGEST_MODULES_FIRST = (
-    "test_nic_faults.py",  # 3.7 min on two busy cores (2026-11-26): eight jobs on emulated nodes
-    "test_parallel_cli.py", "test_pipeline.py", "test_checkpoint_resume.py", "test_zero_bubble.py",
-    "test_checkpoint_nodes.py", "test_launcher_restart.py", "test_long_runs.py", "test_mooncake_mover.py",
-    "test_compare_harness.py", "test_node_faults.py", "test_fused.py", "test_doctor.py", "test_precision.py",
-    "test_scheduler_env.py", "test_determinism.py",
+    "test_nic_faults.py", "test_pipeline.py", "test_zero_bubble.py", "test_parallel_cli.py",
+    "test_checkpoint_resume.py", "test_fused.py", "test_determinism.py", "test_partitioner_cli.py",
+    "test_pretrain.py", "test_bench_peer.py", "test_precision.py", "test_node_faults.py", "test_long_runs.py",
+    "test_launcher_restart.py", "test_mooncake_mover.py", "test_checkpoint_nodes.py",
 )
 
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 import re
 import socket
 import threading
@@ -350,11 +351,25 @@ def _exit(rank: int, reason: str, code: int, linger: bool = True) -> NoReturn:
     """Print the one line (once per process, whichever thread gets here first) and leave."""
     if _exiting.acquire(blocking=False):
         _say(rank, reason)
+        _silence_stderr()
         if linger:
             time.sleep(_LINGER_S)
         os._exit(code)  # skip interpreter teardown: peers may hold sockets to us, threads may block
     while True:  # another thread is printing and exiting
         time.sleep(1.0)
+
+
+def _silence_stderr() -> None:
+    """Nothing more on standard error once the rank's line is out: while it lingers, a store
+    client whose server (node 0's launcher) is already gone makes torch's C++ side write its
+    failure with a native stack (seen on two emulated nodes under load), which would bury the
+    one line the job ends with."""
+    sys.stderr.flush()
+    try:
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 2)
+    except OSError:
+        pass
 
 
 def _say(rank: int, reason: str) -> None:
