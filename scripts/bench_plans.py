@@ -98,3 +98,14 @@ def planned_split(cfg: PretrainConfig) -> Split:
         return Split([s.layers for s in stages])
     return Split([s.layers for s in stages], [s.recompute for s in stages],
                  [s.recompute_num_layers for s in stages])
+
+
+def ran_split(run_dir: Path) -> tuple[Optional[Split], str]:
+    """The split and schedule a run chose for itself (plan=auto), from the plan it
+    wrote: (Split, "zb_v: "), or (None, "") before it wrote one."""
+    try:
+        plan = Plan.load(run_dir / "plan.yaml")
+    except (OSError, HetpipeError):
+        return None, ""
+    return Split([s.layers for s in plan.stages], [s.recompute for s in plan.stages],
+                 [s.recompute_num_layers for s in plan.stages]), f"{plan.schedule}: "

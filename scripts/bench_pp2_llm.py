@@ -30,7 +30,9 @@ train.precision=bf16-pure, the peer's own precision (bf16 parameters,
 gradients and AdamW state), beside the default. ``+sched=NAME`` picks the
 pipeline schedule: on a hetpipe variant partition.schedule=NAME (gpipe, 1f1b,
 zb_h1 or zb_v; ``nccl+sched=zb_h1`` is zero bubble over NCCL; zb_v halves
-each rank's --layers into its two chunks, 17,15 -> 9,8,7,8), on ``peer`` the
+each rank's --layers into its two chunks, 17,15 -> 9,8,7,8; ``+sched=auto`` runs
+``plan=auto planner.schedule=auto``, the planner's layout, split, schedule and
+recomputation for the detected devices, whatever --layers says), on ``peer`` the
 peer's --schedule (1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zb,
 zbv, dualpipev; see the peer's docstring). A bare ``peer`` runs once per --peer-schedules
 entry, as ``peer`` (1f1b) and ``peer+sched=NAME``; the table's "x peer" ratio
@@ -74,7 +76,7 @@ from hetpipe.pipeline.layouts import V_SHAPE
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, ONE_F_ONE_B, SCHEDULES, schedule_spec
 
 # The peer's options and the planner's side sit beside this script (sys.path[0] when run as a script).
-from bench_plans import Split, planned_split, predicted  # noqa: E402
+from bench_plans import Split, planned_split, predicted, ran_split  # noqa: E402
 from peer_options import SCHEDULES as PEER_SCHEDULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +87,8 @@ VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 # hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.
 # zb_v halves each rank's --layers count into its two chunks (partitioner.plan_data.v_layers).
 HETPIPE_SCHEDULES = tuple(s.name for s in SCHEDULES.values() if s.chunks is not None)  # not interleaving
+# +sched=auto: the run's own plan=auto (planner.schedule=auto) picks layout, split, schedule and recomputation.
+PLAN_AUTO = "auto"
 
 # Both hetpipe and the peer follow this optimizer schedule: lr 3e-4 (the
 # default) after 2000 warmup steps, as in a real LLaMA-3-8B run's first steps.
@@ -139,8 +143,9 @@ def hetpipe_overrides(args, variant: str, flags: set[str], schedule: str,
             f"train.compile={'compile' in flags}",
             *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
             f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
-            f"optimizer.distributed={'zero1' in flags}", f"partition.schedule={schedule}",
-            f"partition.num_chunks={schedule_spec(schedule).chunks}",
+            f"optimizer.distributed={'zero1' in flags}",
+            *(["plan=auto", "planner.schedule=auto"] if schedule == PLAN_AUTO else
+              [f"partition.schedule={schedule}", f"partition.num_chunks={schedule_spec(schedule).chunks}"]),
             *[f"cluster.transport.nccl_max_ctas={f[3:]}" for f in flags if f.startswith("cta")],
             *[f"cluster.transport.gemm_sm_carveout={f[2:]}" for f in flags if f.startswith("sm")],
             *[f"optimizer.{k}={v}" for k, v in OPTIMIZER.items()],
@@ -162,7 +167,7 @@ def run_split(args, base: str, flags: set[str], schedule: str) -> Split | None:
     """One run's partition.layers: --layers as given (zb_v halves each rank's count
     into its V) or, with --layers auto, the planner's split for the run's schedule.
     The peer takes the nccl 1F1B run's split; tp2 keeps its even one (None)."""
-    if base == "tp2":
+    if base == "tp2" or schedule == PLAN_AUTO:
         return None
     if base == "peer":  # hetpipe's 1F1B layers (the peer does not recompute; its compiled layers are its own)
         return Split(run_split(args, "nccl", set(), ONE_F_ONE_B.name).layers)
@@ -176,7 +181,10 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, s
     overrides = [*hetpipe_overrides(args, variant, flags, schedule, split), f"hydra.run.dir={out}"]
     cmd = [*PYTHON, "-m", "hetpipe.pretrain", *overrides]
     result = _run(cmd, out.with_suffix(".log"), args.timeout)
-    result.update(layers=split and split.layers, split=split and split.describe())
+    chosen = ""
+    if schedule == PLAN_AUTO:
+        split, chosen = ran_split(out)
+    result.update(layers=split and split.layers, split=split and chosen + split.describe())
     if "failed" in result:
         return result  # whatever it logged before it failed is no measurement
     metrics = out / "metrics.jsonl"
@@ -378,7 +386,7 @@ def main() -> None:
         flags = set(rest)
         nccl_flags = {f for f in flags if re.fullmatch(r"cta[1-9][0-9]*|sm[0-9]+", f)}
         sched_flags = {f for f in flags if f.startswith("sched=")}
-        schedules = PEER_SCHEDULES if base == "peer" else HETPIPE_SCHEDULES
+        schedules = PEER_SCHEDULES if base == "peer" else (*HETPIPE_SCHEDULES, PLAN_AUTO)
         if (base not in VARIANTS and base != "peer") \
                 or flags - {"compile", "zero1", "pure"} - nccl_flags - sched_flags \
                 or (nccl_flags and not base.startswith("nccl")) \

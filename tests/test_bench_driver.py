@@ -218,3 +218,26 @@ def test_layers_auto_refuses_a_schedule_that_does_not_fit_before_any_run(tmp_pat
     assert len(lines) == 1 and "--layers auto, variant nccl+sched=gpipe: llama8b does not fit" in lines[0]
     assert not list(tmp_path.iterdir())  # no run started
     assert "--layers '17,x'" in _refusal(["--out", str(tmp_path), "--layers", "17,x"], monkeypatch, capfd)
+
+
+def test_sched_auto_runs_the_runs_own_plan_auto_and_reports_what_it_chose(tmp_path, monkeypatch):
+    """``nccl+sched=auto`` is ``plan=auto planner.schedule=auto`` through the user's
+    entry point (no split, schedule or recomputation given), and the table shows
+    the schedule and split that run chose, read from the plan it wrote."""
+    from hetpipe.partitioner.resolve import resolve_plan
+
+    bench = _bench(monkeypatch)
+    args = argparse.Namespace(model="llama8b", seq_length=4096, micro_batch_size=1, microbatches=16, steps=3,
+                              warmup=1, profile=False, precision="bf16-pure", data="demo", gpus=2, layers="17,15",
+                              set=["cluster.groups.0.device_type=H100"])
+    assert bench.run_split(args, "nccl", set(), "auto") is None  # --layers does not bind plan=auto
+    overrides = bench.hetpipe_overrides(args, "nccl", set(), "auto", None)
+    assert {"plan=auto", "planner.schedule=auto"} <= set(overrides)
+    assert not [o for o in overrides if o.startswith(("partition.schedule", "partition.layers", "train.recompute"))]
+    plan = resolve_plan(bench.run_config(overrides))
+    # On two H100s at this shape the planner's fastest schedule is a zero-bubble one (issue 29: zb_v 1.040x 1f1b).
+    assert plan.schedule in ("zb_h1", "zb_v")
+    plan.save(tmp_path / "plan.yaml")
+    split, chosen = bench.ran_split(tmp_path)
+    assert split.layers == [s.layers for s in plan.stages] and chosen == f"{plan.schedule}: "
+    assert bench.ran_split(tmp_path / "absent") == (None, "")

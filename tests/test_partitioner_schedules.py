@@ -62,7 +62,9 @@ TRAIN = TrainConfig(micro_batch_size=1, global_batch_size=16, seq_length=4096)
 
 @pytest.mark.parametrize("P", (2, 4))
 def test_zero_bubble_step_is_shorter_by_the_modelled_bubble(P):
-    fixed = dict(tp=1, dp=8 // P, stages=[P], recompute="none")
+    # The analytic costs: the arithmetic checked here holds for any costs, and these
+    # bounds were set on them (a measured profile moves the numbers, not the relations).
+    fixed = dict(tp=1, dp=8 // P, stages=[P], recompute="none", builtin_profiles=False)
     layers = [32 // P] * P
     one_f = solve(MODEL, _homogeneous(), TRAIN, PlannerConfig(schedule="1f1b", **fixed), layers)
     zero = solve(MODEL, _homogeneous(), TRAIN, PlannerConfig(schedule="zb_h1", **fixed), layers)
@@ -196,7 +198,8 @@ def test_v_split_search_is_within_a_percent_of_every_split(layers):
 
 
 def test_zb_v_is_planned_and_chosen_when_fastest():
-    fixed = dict(tp=1, dp=2, stages=[4], recompute="none")
+    # Analytic costs, as above: the memory limits below were set on them.
+    fixed = dict(tp=1, dp=2, stages=[4], recompute="none", builtin_profiles=False)
     auto = solve(MODEL, _homogeneous(), TRAIN, PlannerConfig(schedule="auto", **fixed))
     options = {o.schedule: o for o in auto.schedule_options}
     assert list(options) == ["1f1b", "zb_h1", "zb_v", "gpipe"]
