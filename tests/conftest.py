@@ -31,6 +31,31 @@ def run_pretrain(run_dir: Path, args: list[str], timeout: float = 240) -> tuple[
     return proc, rows
 
 
+STARTS_LOGGER = """import json, os, sys
+with open(os.environ["HETPIPE_TEST_STARTS"], "a") as f:
+    f.write(json.dumps(sys.orig_argv) + "\\n")
+"""
+
+
+def log_python_starts(tmp_path: Path, monkeypatch) -> Path:
+    """Every Python interpreter started from here on (CLIs, fork servers, spawned
+    workers: not forked ones) appends its command line to the returned file, through
+    a sitecustomize module on PYTHONPATH."""
+    site = tmp_path / "starts_site"
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(STARTS_LOGGER)
+    log = tmp_path / "python_starts.jsonl"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("HETPIPE_TEST_STARTS", str(log))
+    return log
+
+
+def fork_servers_started(log: Path) -> int:
+    """How many multiprocessing fork servers the logged interpreters were."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum("multiprocessing.forkserver" in " ".join(json.loads(line)) for line in lines)
+
+
 # scripts/test.sh runs the suite on pytest-xdist workers, each taking whole
 # modules (--dist loadscope: a module's shared reference runs are made once)
 # in collection order (--no-loadscope-reorder). Handing out the longest

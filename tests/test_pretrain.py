@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import run_cli
+from conftest import fork_servers_started, log_python_starts, run_cli
 from hetpipe.pretrain_config import OptimizerConfig, resolve
 from hetpipe.errors import ConfigError
 from hetpipe.trainer import lr_at, train
@@ -81,7 +81,9 @@ def _iter_dirs(ckpt):
     return sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_"))
 
 
-def test_a_run_with_a_save_dir_ends_with_a_checkpoint(tmp_path, corpus_prefix):
+def test_a_run_with_a_save_dir_ends_with_a_checkpoint(tmp_path, corpus_prefix, monkeypatch):
+    # A one-rank job trains in the CLI's process: no fork server for ranks is started (about 2 CPU-s).
+    starts = log_python_starts(tmp_path, monkeypatch)
     # No interval: the last step is saved because a save_dir was given (Megatron's end-of-run save).
     ckpt = tmp_path / "ckpt"
     proc = run_cli(["-m", "hetpipe.pretrain", *CLI_RUN, f"data.path={corpus_prefix}", "train.train_iters=3",
@@ -94,6 +96,7 @@ def test_a_run_with_a_save_dir_ends_with_a_checkpoint(tmp_path, corpus_prefix):
                     f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2", f"hydra.run.dir={tmp_path / 'b'}"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _iter_dirs(ckpt) == ["iter_0000002", "iter_0000004"] and proc.stdout.count("saved checkpoint") == 2
+    assert starts.read_text().count("hetpipe.pretrain") == 2 and fork_servers_started(starts) == 0
 
 
 def test_a_checkpoint_from_before_megatrons_warmup_resumes_with_one_line(tmp_path, corpus_prefix, monkeypatch,
@@ -235,7 +238,8 @@ def test_config_values_are_checked():
         resolve({"model": {"name": "m"}, "cluster": {"transport": {"kind": "carrier-pigeon"}}})
 
 
-def test_multirun_sweeps_partition_plans(tmp_path, corpus_prefix):
+def test_multirun_sweeps_partition_plans(tmp_path, corpus_prefix, monkeypatch):
+    starts = log_python_starts(tmp_path / "log", monkeypatch)
     proc = run_cli(["-m", "hetpipe.pretrain", "-m", "+model=tiny_llama", "cluster=cpu_mixed",
                     "partition.layers=[1,3],[3,1]", "train.train_iters=2", "train.seq_length=32",
                     "train.global_batch_size=4", "logging.progress=false",
@@ -245,6 +249,8 @@ def test_multirun_sweeps_partition_plans(tmp_path, corpus_prefix):
     assert len(plans) == 2 and plans[0] != plans[1]
     assert all(len((p.parent / "metrics.jsonl").read_text().splitlines()) == 2
                for p in tmp_path.glob("*/plan.yaml"))
+    # Both two-rank jobs forked their ranks from the one server the CLI started as it began.
+    assert fork_servers_started(starts) == 1
 
 
 def test_receives_posted_ahead_default_to_one_on_nccl_boundaries_only():

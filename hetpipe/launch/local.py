@@ -172,8 +172,9 @@ def prestart(argv: Sequence[str]) -> None:
     the launcher). Started first, the two imports run side by side on two
     cores. A job that turns out to need no local ranks (one rank, or this
     process being a torchrun rank) stops it again; argv that only prints
-    (--help, --cfg) does not start it."""
-    if under_torchrun() or any(a.split("=")[0] in _PRINT_ONLY for a in argv):
+    (--help, --cfg) or leaves the job on the one-rank default cluster does not
+    start it."""
+    if under_torchrun() or any(a.split("=")[0] in _PRINT_ONLY for a in argv) or _one_rank_default(argv):
         return
     try:
         provide_local_secret(os.environ)  # the ranks inherit the server's environment
@@ -197,6 +198,20 @@ def _gloo_on_loopback(env: MutableMapping[str, str]) -> None:
 
 
 _PRINT_ONLY = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+# What can make a job more than one local rank: the cluster (its group, or any of its keys),
+# restarts (one rank with restarts runs under the elastic agent), or another config file.
+_MAY_SPAWN = ("cluster", "+cluster", "++cluster", "train.max_restarts", "+train.max_restarts",
+              "++train.max_restarts", "--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
+
+
+def _one_rank_default(argv: Sequence[str]) -> bool:
+    """True when the command line leaves the job on the default cluster (``single``: one
+    rank) without restarts, so it trains in this process and a server would only be
+    stopped again: started anyway it spent about 2 CPU-s importing (a third of a short
+    one-rank run's CPU). A guess the other way only costs the overlap: launch() starts
+    the server itself."""
+    keys = [a.split("=")[0] for a in argv]
+    return not any(k in _MAY_SPAWN or k.split(".")[0] in _MAY_SPAWN for k in keys)
 
 
 def _start_fork_server() -> None:
