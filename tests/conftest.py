@@ -10,14 +10,31 @@ from pathlib import Path
 
 import pytest
 
+from cli_zygote import run_module
 from hetpipe.data.demo import stdlib_sources
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``python <args>`` as a user would, capturing output."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+def _cli_env(environ) -> dict[str, str]:
+    return dict(environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+
+
+# The environment of this worker before any test changed it (tests/cli_zygote.py).
+USUAL_ENV = _cli_env(os.environ)
+
+
+def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` as a user would, capturing output, with ``env`` added to the
+    environment: ``-m MODULE`` in a process forked from an interpreter that imported torch
+    and hetpipe already where nothing differs but the import (tests/cli_zygote.py), else
+    in a fresh interpreter."""
+    env = _cli_env({**os.environ, **(env or {})})
+    if len(args) >= 2 and args[0] == "-m":
+        done = run_module(args[1], args[2:], env, str(cwd or REPO), timeout, USUAL_ENV)
+        if done is not None:
+            return done
     return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
@@ -60,13 +77,14 @@ def fork_servers_started(log: Path) -> int:
 # modules (--dist loadscope: a module's shared reference runs are made once)
 # in collection order (--no-loadscope-reorder). Handing out the longest
 # modules first keeps the last minutes from running on one worker: these took
-# 65-180 s each with three workers on two cores (2026-11-26, --durations),
-# most others < 60 s.
+# 65-166 s each with three workers on two cores (2026-11-26, fresh clone, per
+# test start and end times), most others < 60 s.
 LONGEST_MODULES_FIRST = (
     "test_nic_faults.py", "test_pipeline.py", "test_zero_bubble.py", "test_parallel_cli.py",
-    "test_checkpoint_resume.py", "test_fused.py", "test_determinism.py", "test_partitioner_cli.py",
-    "test_pretrain.py", "test_bench_peer.py", "test_precision.py", "test_node_faults.py", "test_long_runs.py",
-    "test_launcher_restart.py", "test_mooncake_mover.py", "test_checkpoint_nodes.py",
+    "test_checkpoint_resume.py", "test_fused.py", "test_determinism.py", "test_bench_peer.py", "test_pretrain.py",
+    "test_partitioner_cli.py", "test_precision.py", "test_mooncake_mover.py", "test_node_faults.py",
+    "test_long_runs.py", "test_launcher_restart.py", "test_parallel_tp.py", "test_scheduler_env.py",
+    "test_checkpoint_nodes.py", "test_validation.py",
 )
 
 

@@ -4,8 +4,6 @@ previous checkpoint loadable.
 """
 import errno
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -13,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import hetpipe.checkpoint.saver as saver_module
-from conftest import REPO, run_pretrain
+from conftest import run_cli, run_pretrain
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, CheckpointSaver, latest_checkpoint, load_checkpoint
 from hetpipe.checkpoint.st_io import write_safetensors
 from hetpipe.models import build_model, model_preset
@@ -120,9 +118,8 @@ COMMON = ["+model=tiny_llama", "model.hidden_size=64", "model.ffn_hidden_size=16
 def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, corpus_prefix):
     save_dir = tmp_path / "ckpt"
     args = [*COMMON, f"data.path={corpus_prefix}", f"checkpoint.save_dir={save_dir}"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", HETPIPE_FAULT="kill@save:rank=1:step=4")
-    proc = subprocess.run([sys.executable, "-m", "hetpipe.pretrain", *args, f"hydra.run.dir={tmp_path / 'a'}"],
-                          cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    proc = run_cli(["-m", "hetpipe.pretrain", *args, f"hydra.run.dir={tmp_path / 'a'}"], timeout=300,
+                   env={"HETPIPE_FAULT": "kill@save:rank=1:step=4"})
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert sorted(p.name for p in save_dir.iterdir()) == ["iter_0000002", "iter_0000004.tmp", "latest"]
     assert latest_checkpoint(save_dir) == save_dir / "iter_0000002"

@@ -224,13 +224,11 @@ def noisy(check, tmp_path_factory):
     base = [o for o in given if not o.startswith(("cluster=", "partition.layers=", "train.micro_batch_size="))]
     base += ["cluster=single", "cluster.groups.0.device_type=CPU", "partition.layers=[4]"]
     sweep = tmp_path_factory.mktemp("noisy")
-    # One thread: tensors this small only lose from more (tests/conftest.py's one_thread).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     for args in (["-m", *base, "train.micro_batch_size=1,4", "train.deterministic=false,true",
                   f"hydra.sweep.dir={sweep}"],
                  [*base, "train.micro_batch_size=2", "optimizer.lr=3.003e-3", f"hydra.run.dir={sweep / 'lr'}"]):
-        proc = subprocess.run([sys.executable, "-m", "hetpipe.pretrain", *args], cwd=REPO, env=env, text=True,
-                              capture_output=True, timeout=300)
+        # One thread: tensors this small only lose from more (tests/conftest.py's one_thread).
+        proc = run_cli(["-m", "hetpipe.pretrain", *args], timeout=300, env={"OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
     # The sweep's jobs in order: (mbs 1, plain), (1, deterministic), (4, plain), (4, deterministic).
     return {"mbs1": sweep / "0", "mbs4": sweep / "2", "mbs4_det": sweep / "3", "lr": sweep / "lr"}

@@ -9,7 +9,6 @@ stopped at its third step, a few seconds after its ranks start.
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import sys
 import pytest
 
 from cluster_nodes import JOB, start_nodes, wait_all
-from conftest import REPO
+from conftest import run_cli
 from emulated_nodes import emu, emulated_nodes, make_emulated_nodes, netns_available  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)
@@ -28,9 +27,8 @@ TINY = ["+model=tiny_llama", "cluster=cpu_mixed", "cluster.transport.kind=tcp", 
 
 
 def pretrain(tmp_path, fault: str, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", HETPIPE_FAULT=fault)
-    return subprocess.run([sys.executable, "-m", "hetpipe.pretrain", *TINY, *overrides, f"hydra.run.dir={tmp_path}"],
-                          cwd=REPO, env=env, text=True, capture_output=True, timeout=200)
+    return run_cli(["-m", "hetpipe.pretrain", *TINY, *overrides, f"hydra.run.dir={tmp_path}"], timeout=200,
+                   env={"HETPIPE_FAULT": fault})
 
 
 def error_lines(text: str) -> list[str]:

@@ -1,0 +1,216 @@
+"""``python -m MODULE ARGS`` for the suite, without importing torch once per command.
+
+The suite runs about 200 commands (``python -m hetpipe.pretrain`` and ``hetpipe.plan``
+mostly), and each fresh interpreter spent about 2 CPU-s importing torch, hydra and
+hetpipe before doing anything: a quarter of the suite's CPU on two cores. Here each
+pytest worker starts one interpreter that imports them once (the zygote) and forks
+it per command. The child is a process of its own, as ``subprocess.run`` would start
+it: its standard input, output and error are the caller's pipes (passed over a Unix
+socket), its environment, working directory and ``sys.argv`` are the command's, it
+runs the module as ``__main__`` with :mod:`runpy` (as ``python -m`` does) and ends
+as an interpreter ends (atexit handlers, non-daemon threads, exit status; an
+uncaught exception prints its traceback and exits 1). The ranks a launcher starts
+are started by the hetpipe code under test as they always are.
+
+What it cannot mirror, the caller gets a fresh interpreter for: a command that is
+not ``-m MODULE``, an environment other than the zygote's in anything but hetpipe's
+own variables (a variable read while importing, such as PYTHONPATH or
+OMP_NUM_THREADS, would not take effect), a module
+the zygote has imported already, or a zygote that printed anything while importing
+(a warning it swallowed would be one the command's output lacks).
+HETPIPE_TEST_FRESH_PYTHON=1 gives every command a fresh interpreter.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+# What a command's interpreter would import first (hetpipe.torch_compat.RANK_PRELOAD and
+# the fork server's list in hetpipe.launch.local), never a module a command runs.
+PRELOAD = ("torch", "torch._dynamo", "hydra", "omegaconf", "hetpipe.trainer", "hetpipe.launch.local",
+           "hetpipe.pretrain_config", "hetpipe.partitioner.solver")
+
+_ZYGOTE = r"""
+import json, os, runpy, socket, sys
+for name in sys.argv[2].split(","):
+    __import__(name)
+
+import multiprocessing.util
+spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+def fork_the_fork_server(path, args, passfds):
+    # multiprocessing starts its fork server as `python -c "from multiprocessing.forkserver
+    # import main; main(...)"`, which imports the preload list anew (torch and its compiler:
+    # 3.6 CPU-s); a command forked from here has them, so its server is a fork running that
+    # same line, with only the descriptors the fresh one would have.
+    if args[-2:-1] != ["-c"] or not args[-1].startswith("from multiprocessing.forkserver import"):
+        return spawnv_passfds(path, args, passfds)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            keep = sorted({0, 1, 2, *map(int, passfds)})
+            for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+                os.closerange(low + 1, high)
+            exec(args[-1], {"__name__": "__main__"})
+        finally:
+            os._exit(0)
+    return pid
+
+
+multiprocessing.util.spawnv_passfds = fork_the_fork_server
+sys.stdout.flush(); sys.stderr.flush()
+control = socket.socket(fileno=int(sys.argv[1]))
+control.send(b'{"ready": true}')
+while True:
+    message, fds = socket.recv_fds(control, 1 << 20, 3)[:2]
+    if not message:
+        sys.exit(0)
+    request = json.loads(message)
+    if request["module"] in sys.modules:
+        for fd in fds:
+            os.close(fd)
+        control.send(b'{"fresh": true}')
+        continue
+    pid = os.fork()
+    if pid == 0:
+        control.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [request["module"], *request["args"]]
+        del request, fds, message, control
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        sys.exit(0)
+    for fd in fds:
+        os.close(fd)
+    control.send(json.dumps({"pid": pid}).encode())
+    status = os.waitpid(pid, 0)[1]
+    control.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+"""
+
+
+class Zygote:
+    """One pre-imported interpreter per pytest worker; :meth:`run` is ``subprocess.run``'s
+    ``capture_output=True, text=True`` for ``[sys.executable, "-m", MODULE, *ARGS]``,
+    or None where a fresh interpreter is needed (see the module's docstring)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = dict(env)
+        # Datagrams in order: a request and its descriptors arrive as one message.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(theirs.fileno()), ",".join(PRELOAD)],
+                                     env=self.env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        theirs.close()
+        self.control = ours
+        self.lock = threading.Lock()
+        self.usable = self.control.recv(1 << 16) == b'{"ready": true}'
+        if self.usable:  # anything printed while importing: commands must see it, so none come here
+            selector = selectors.DefaultSelector()
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            self.usable = not selector.select(timeout=0.2)
+            selector.close()
+
+    def run(self, module: str, args: list[str], env: dict[str, str], cwd: str,
+            timeout: float) -> Optional[subprocess.CompletedProcess]:
+        if not self.usable or self.proc.poll() is not None or not self.lock.acquire(blocking=False):
+            return None
+        try:
+            return self._run(module, args, env, cwd, timeout)
+        finally:
+            self.lock.release()
+
+    def _run(self, module, args, env, cwd, timeout):
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            request = {"module": module, "args": list(args), "env": env, "cwd": str(cwd)}
+            socket.send_fds(self.control, [json.dumps(request).encode()], [null, out_w, err_w])
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+        reply = json.loads(self.control.recv(1 << 16))
+        if reply.get("fresh"):
+            os.close(out_r), os.close(err_r)
+            return None
+        pid, deadline = reply["pid"], time.monotonic() + timeout
+        stdout, stderr, timed_out = _read_until_eof(out_r, err_r, deadline)
+        if timed_out:
+            os.kill(pid, signal.SIGKILL)
+        status = json.loads(self.control.recv(1 << 16))["status"]
+        argv = [sys.executable, "-m", module, *args]
+        if timed_out:
+            raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(argv, status, stdout, stderr)
+
+    def close(self) -> None:
+        self.control.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def _read_until_eof(out_r: int, err_r: int, deadline: float) -> tuple[str, str, bool]:
+    """Both pipes to their end (every process holding them gone), as communicate() reads them;
+    True where the deadline came first."""
+    chunks = {out_r: [], err_r: []}
+    selector = selectors.DefaultSelector()
+    for fd in chunks:
+        selector.register(fd, selectors.EVENT_READ)
+    timed_out = False
+    while selector.get_map():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for key, _ in selector.select(timeout=left):
+            data = os.read(key.fd, 65536)
+            if data:
+                chunks[key.fd].append(data)
+            else:
+                selector.unregister(key.fd)
+    selector.close()
+    for fd in chunks:
+        os.close(fd)
+    text = [b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r)]
+    return text[0], text[1], timed_out
+
+
+_zygote: Optional[Zygote] = None
+
+
+def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, timeout: float,
+               usual_env: dict[str, str]) -> Optional[subprocess.CompletedProcess]:
+    """The command through this worker's zygote, or None: run it in a fresh interpreter.
+    The zygote starts on first use with ``usual_env``, the environment commands get when
+    no test changed it; a command with another one runs fresh."""
+    global _zygote
+    if os.environ.get("HETPIPE_TEST_FRESH_PYTHON") == "1" or _at_import(env) != _at_import(usual_env):
+        return None
+    if _zygote is None:
+        _zygote = Zygote(usual_env)
+    return _zygote.run(module, args, env, cwd, timeout)
+
+
+def _at_import(env: dict[str, str]) -> dict[str, str]:
+    """The variables an interpreter may read while importing: all but the one pytest sets
+    per test and hetpipe's own (HETPIPE_*), which hetpipe reads when it runs, never on import."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("HETPIPE_")}
