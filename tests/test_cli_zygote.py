@@ -1,0 +1,79 @@
+"""The suite's way of running ``python -m`` commands (tests/cli_zygote.py): what a
+command sees and how it ends must be what a fresh interpreter gives."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import cli_zygote
+from conftest import USUAL_ENV
+
+pytestmark = pytest.mark.skipif(os.environ.get("HETPIPE_TEST_FRESH_PYTHON") == "1",
+                                reason="HETPIPE_TEST_FRESH_PYTHON=1: every command runs fresh")
+
+PROBE = """
+import json, os, signal, sys
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "main": __name__,
+                  "probe": os.environ.get("HETPIPE_PROBE")}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("the probe's own error")
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "hang":
+    import time
+    time.sleep(60)
+sys.exit(int(how))
+"""
+
+
+@pytest.fixture()
+def probe(tmp_path):
+    (tmp_path / "zygote_probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def _run(probe, *args, env=None, timeout=30):
+    env = {**USUAL_ENV, **(env or {})}
+    done = cli_zygote.run_module("zygote_probe", list(args), env, str(probe), timeout, USUAL_ENV)
+    fresh = subprocess.run([sys.executable, "-m", "zygote_probe", *args], cwd=probe, env=env, text=True,
+                           capture_output=True, timeout=timeout)
+    return done, fresh
+
+
+def test_a_forked_command_sees_and_ends_as_a_fresh_one(probe):
+    import json
+
+    for how in ("0", "3", "raise", "kill"):
+        done, fresh = _run(probe, how, "x=1", env={"HETPIPE_PROBE": "seen"})
+        assert done is not None, "the zygote was not used"
+        assert done.returncode == fresh.returncode, how
+        assert json.loads(done.stdout.splitlines()[0]) | {"pid": 0} == \
+            json.loads(fresh.stdout.splitlines()[0]) | {"pid": 0}
+        assert json.loads(done.stdout.splitlines()[0])["pid"] != os.getpid()
+        assert done.stderr.startswith("to stderr\n")
+    assert done.returncode == -signal.SIGKILL
+    done, fresh = _run(probe, "raise")
+    assert done.returncode == 1 and done.stderr.splitlines()[-1] == "ValueError: the probe's own error"
+    assert fresh.stderr.splitlines()[-1] == done.stderr.splitlines()[-1]
+
+
+def test_a_command_past_its_timeout_is_killed_as_subprocess_run_does(probe):
+    with pytest.raises(subprocess.TimeoutExpired) as exc:
+        cli_zygote.run_module("zygote_probe", ["hang"], dict(USUAL_ENV), str(probe), 3, USUAL_ENV)
+    assert "to stderr" in exc.value.stderr
+    # The zygote reaped it and serves the next command.
+    done, _ = _run(probe, "0")
+    assert done is not None and done.returncode == 0
+
+
+def test_what_it_cannot_mirror_runs_fresh(probe, monkeypatch):
+    # A variable read while importing (here PYTHONPATH), a module the zygote imported, or the switch.
+    env = {**USUAL_ENV, "PYTHONPATH": str(probe)}
+    assert cli_zygote.run_module("zygote_probe", ["0"], env, str(probe), 30, USUAL_ENV) is None
+    assert cli_zygote.run_module("hetpipe.trainer", [], dict(USUAL_ENV), str(probe), 30, USUAL_ENV) is None
+    monkeypatch.setenv("HETPIPE_TEST_FRESH_PYTHON", "1")
+    assert cli_zygote.run_module("zygote_probe", ["0"], dict(USUAL_ENV), str(probe), 30, USUAL_ENV) is None
