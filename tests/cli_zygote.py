@@ -2,7 +2,7 @@
 
 The suite runs about 200 commands (``python -m hetpipe.pretrain`` and ``hetpipe.plan``
 mostly), and each fresh interpreter spent about 2 CPU-s importing torch, hydra and
-hetpipe before doing anything: a quarter of the suite's CPU on two cores. Here each
+hetpipe before doing anything (a two-rank run: 5.5 CPU-s in all, 2.4 forked). Here each
 pytest worker starts one interpreter that imports them once (the zygote) and forks
 it per command. The child is a process of its own, as ``subprocess.run`` would start
 it: its standard input, output and error are the caller's pipes (passed over a Unix
@@ -10,7 +10,11 @@ socket), its environment, working directory and ``sys.argv`` are the command's, 
 runs the module as ``__main__`` with :mod:`runpy` (as ``python -m`` does) and ends
 as an interpreter ends (atexit handlers, non-daemon threads, exit status; an
 uncaught exception prints its traceback and exits 1). The ranks a launcher starts
-are started by the hetpipe code under test as they always are.
+are started by the hetpipe code under test as they always are, with one
+difference below it: multiprocessing starts the ranks' fork server
+(hetpipe.launch.local) as a fresh interpreter that imports torch and its compiler
+again (3.6 CPU-s); in a forked command it is a fork of that command running the
+server's own line, with only the descriptors the fresh one would have.
 
 What it cannot mirror, the caller gets a fresh interpreter for: a command that is
 not ``-m MODULE``, an environment other than the zygote's in anything but hetpipe's
@@ -33,9 +37,11 @@ import threading
 import time
 from typing import Optional
 
-# What a command's interpreter would import first (hetpipe.torch_compat.RANK_PRELOAD and
-# the fork server's list in hetpipe.launch.local), never a module a command runs.
-PRELOAD = ("torch", "torch._dynamo", "hydra", "omegaconf", "hetpipe.trainer", "hetpipe.launch.local",
+from hetpipe.torch_compat import RANK_PRELOAD
+
+# What a command's interpreter would import first (the ranks' fork server preloads the
+# same, hetpipe.launch.local), never a module a command runs.
+PRELOAD = (*RANK_PRELOAD, "hydra", "omegaconf", "hetpipe.trainer", "hetpipe.launch.local",
            "hetpipe.pretrain_config", "hetpipe.partitioner.solver")
 
 _ZYGOTE = r"""
@@ -49,9 +55,7 @@ spawnv_passfds = multiprocessing.util.spawnv_passfds
 
 def fork_the_fork_server(path, args, passfds):
     # multiprocessing starts its fork server as `python -c "from multiprocessing.forkserver
-    # import main; main(...)"`, which imports the preload list anew (torch and its compiler:
-    # 3.6 CPU-s); a command forked from here has them, so its server is a fork running that
-    # same line, with only the descriptors the fresh one would have.
+    # import main; main(...)"` (the module's docstring says why a fork runs that line here).
     if args[-2:-1] != ["-c"] or not args[-1].startswith("from multiprocessing.forkserver import"):
         return spawnv_passfds(path, args, passfds)
     pid = os.fork()
@@ -151,21 +155,15 @@ class Zygote:
         pid, deadline = reply["pid"], time.monotonic() + timeout
         stdout, stderr, timed_out = _read_until_eof(out_r, err_r, deadline)
         if timed_out:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
         status = json.loads(self.control.recv(1 << 16))["status"]
         argv = [sys.executable, "-m", module, *args]
         if timed_out:
             raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(argv, status, stdout, stderr)
-
-    def close(self) -> None:
-        self.control.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
 
 
 def _read_until_eof(out_r: int, err_r: int, deadline: float) -> tuple[str, str, bool]:
