@@ -113,11 +113,10 @@ class Zygote:
     or None where a fresh interpreter is needed (see the module's docstring)."""
 
     def __init__(self, env: dict[str, str]):
-        self.env = dict(env)
         # Datagrams in order: a request and its descriptors arrive as one message.
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(theirs.fileno()), ",".join(PRELOAD)],
-                                     env=self.env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         theirs.close()
         self.control = ours
