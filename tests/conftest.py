@@ -30,9 +30,9 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240,
     environment: ``-m MODULE`` in a process forked from an interpreter that imported torch
     and hetpipe already where nothing differs but the import (tests/cli_zygote.py), else
     in a fresh interpreter."""
-    env = _cli_env({**os.environ, **(env or {})})
+    env_added, env = list(env or {}), _cli_env({**os.environ, **(env or {})})
     if len(args) >= 2 and args[0] == "-m":
-        done = run_module(args[1], args[2:], env, str(cwd or REPO), timeout, USUAL_ENV)
+        done = run_module(args[1], args[2:], env, str(cwd or REPO), timeout, USUAL_ENV, passed=env_added)
         if done is not None:
             return done
     return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=env, text=True,

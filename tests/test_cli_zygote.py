@@ -73,7 +73,21 @@ def test_a_command_past_its_timeout_is_killed_as_subprocess_run_does(probe):
 def test_what_it_cannot_mirror_runs_fresh(probe, monkeypatch):
     # A variable read while importing (here PYTHONPATH), a module the zygote imported, or the switch.
     env = {**USUAL_ENV, "PYTHONPATH": str(probe)}
-    assert cli_zygote.run_module("zygote_probe", ["0"], env, str(probe), 30, USUAL_ENV) is None
+    assert cli_zygote.run_module("zygote_probe", ["0"], env, str(probe), 30, USUAL_ENV, passed=["PYTHONPATH"]) is None
+    # Not passed by the test: the worker's own environment changed, which is worth a warning.
+    with pytest.warns(UserWarning, match="differs from the zygote's in PYTHONPATH"):
+        assert cli_zygote.run_module("zygote_probe", ["0"], env, str(probe), 30, USUAL_ENV) is None
     assert cli_zygote.run_module("hetpipe.trainer", [], dict(USUAL_ENV), str(probe), 30, USUAL_ENV) is None
     monkeypatch.setenv("HETPIPE_TEST_FRESH_PYTHON", "1")
     assert cli_zygote.run_module("zygote_probe", ["0"], dict(USUAL_ENV), str(probe), 30, USUAL_ENV) is None
+
+
+def test_variables_code_in_the_worker_sets_for_itself_keep_commands_forked(probe, monkeypatch):
+    # torch writes TORCHINDUCTOR_CACHE_DIR when a test compiles in the worker, and hetpipe's
+    # Mooncake check MC_LOG_LEVEL while the tests are collected: with either, every later
+    # command of a suite run used to start fresh.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(probe / "inductor"))
+    monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
+    done, fresh = _run(probe, "0", env={"TORCHINDUCTOR_CACHE_DIR": str(probe / "inductor"), "MC_LOG_LEVEL": "ERROR"})
+    assert done is not None, "the zygote was not used"
+    assert done.returncode == fresh.returncode == 0
