@@ -54,8 +54,13 @@ class ProfilingConfig:
     warmup: int = 3
     # ... and the warm-up microbatches repeat for at least this long (GPUs
     # only): LLaMA-3-8B's layer timed after a 0.3 s burst came out 7 % faster
-    # on one H100 than bench_layer's sustained 1.3 s run (docs/benchmarks.md).
-    warmup_s: float = 3.0
+    # on one H100 than bench_layer's sustained 1.3 s run; after 30 s its
+    # forward and backward took 1.8 and 1.3 % longer than after 3 s, the head
+    # 3.4 % (seq 4096, bf16-pure): at 700 W the clock fell from 1980 to about
+    # 1600 MHz within 30 s and to 1500 as the GPU reached 70 C in a bench
+    # (docs/benchmarks.md). 3 s left two-GPU steps 4.5-5.3 % longer than
+    # predicted. Each unit warms up this long (about 2.5 minutes a profile).
+    warmup_s: float = 30.0
     # Catalog key to file the measurement under; None detects this machine's device.
     device_type: Optional[str] = None
 

@@ -175,7 +175,8 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
         del module
     entry = {"shape": profile_shape(model, seq_length, mode, fused),
              "micro_batch_size": micro_batch_size, "device_name": accelerator_name(),
-             "torch": torch.__version__, "repeats": repeats, "units": units, "recompute": recompute}
+             "torch": torch.__version__, "repeats": repeats, "warmup_s": warmup_s if device.type == "cuda" else 0.0,
+             "units": units, "recompute": recompute}
     return accelerator_name(), entry
 
 

@@ -96,6 +96,7 @@ def test_profile_on_cpu_feeds_the_planner(tmp_path):
     data = json.loads(profile.read_text())
     entry = data["devices"]["CPU"][0]
     assert entry["shape"]["seq_length"] == 64 and entry["micro_batch_size"] == 2
+    assert entry["warmup_s"] == 0.0  # the sustained warm-up (30 s a unit) is for GPUs' clocks only
     for kind in ("embedding", "layer", "head"):
         unit = entry["units"][kind]
         assert unit["forward_s"] > 0 and unit["backward_s"] > 0 and unit["activation_bytes"] > 0
