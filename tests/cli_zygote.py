@@ -221,10 +221,14 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, time
 # Set in a pytest worker's own environment by code that runs there, for that code's later
 # use, and read by nothing the zygote imports: torch's inductor writes its cache directory
 # the first time a test compiles in the worker (and reads the variable again at every
-# compile), and hetpipe's Mooncake check (comm/mooncake_mover.py, run while the tests are
-# collected) sets the log level of Mooncake's library, which loads only where it is used.
-# Until these two were named here every command of a full suite run started fresh.
-RUN_TIME_ONLY = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "MC_LOG_LEVEL"})
+# compile) and, loading a compiled module, a pointer into the worker that the module reads
+# (any process that loads one sets its own first); hetpipe's Mooncake check
+# (comm/mooncake_mover.py, run while the tests are collected) sets the log level of
+# Mooncake's library, which loads only where it is used; a trainer built in the worker
+# sets c10d's P2P-serialization switch (hetpipe/known_warnings.py), read when an NCCL
+# group is made. Until these were named here most commands of a full run started fresh.
+RUN_TIME_ONLY = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                           "MC_LOG_LEVEL", "TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING"})
 
 
 def _at_import(env: dict[str, str]) -> dict[str, str]:

@@ -35,8 +35,12 @@ def torch_flags_restored():
 
 
 def _without_determinism_env(monkeypatch):
+    # Set first, so that teardown also removes what determinism.apply() sets (a bare delenv of
+    # an unset variable records nothing: the variables stayed in the worker, and every later
+    # command's environment differed from tests/cli_zygote.py's, which ran them fresh).
     for name in determinism.ENV:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_launch_env_keeps_the_users_variables_and_refuses_a_cublas_setting_torch_refuses(monkeypatch):
