@@ -59,7 +59,8 @@ class ProfilingConfig:
     # 3.4 % (seq 4096, bf16-pure): at 700 W the clock fell from 1980 to about
     # 1600 MHz within 30 s and to 1500 as the GPU reached 70 C in a bench
     # (docs/benchmarks.md). 3 s left two-GPU steps 4.5-5.3 % longer than
-    # predicted. Each unit warms up this long (about 2.5 minutes a profile).
+    # predicted. Each unit warms up this long: a LLaMA-3-8B profile took
+    # 203-235 s on an H100 with 30 s, 44-66 s on an H200 with 3 s.
     warmup_s: float = 30.0
     # Catalog key to file the measurement under; None detects this machine's device.
     device_type: Optional[str] = None
