@@ -79,6 +79,13 @@ class TrainConfig:
     # Profile this optimizer step (1-based) on GPU ranks: each writes
     # profile_rank<r>.txt (busy time, kernel time by class, top kernels).
     profile_step: Optional[int] = None
+    # Record this optimizer step's (1-based) device allocations on GPU ranks:
+    # each writes memory_snapshot_rank<r>.pickle (for pytorch.org/memory_viz)
+    # and memory_peak_rank<r>.txt (the peak, and what was alive at it by the
+    # engine action and hetpipe frame that made it; hetpipe/memory_peak.py).
+    # For a peak above the planner's prediction: the tcp boundary's 1.7-3.3
+    # GiB over it at seq 8192 on 2xH100 (docs/benchmarks.md) was found so.
+    memory_snapshot_step: Optional[int] = None
     # Activation recomputation (Megatron's --recompute-granularity; see
     # hetpipe/models/recompute.py): none; selective (the attention core, SDPA,
     # reruns in the backward); full (a layer keeps only its input and reruns
@@ -133,8 +140,9 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}")
-        if self.profile_step is not None and self.profile_step < 1:
-            raise ConfigError(f"train.profile_step={self.profile_step} must be a step number (1-based)")
+        for name in ("profile_step", "memory_snapshot_step"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be a step number (1-based)")
         if self.eval_interval is not None and self.eval_interval < 1:
             raise ConfigError(f"train.eval_interval={self.eval_interval} must be positive (null never validates)")
         if self.eval_iters < 1:

@@ -61,6 +61,11 @@ _foreach_copy_``                                       per tensor (gradient norm
 ``Tensor._post_accumulate_grad_hooks``                 running a parameter's post-accumulate
                                                        hooks after a fused weight-gradient GEMM
                                                        wrote ``.grad`` outside autograd.
+``torch.cuda.memory._record_memory_history /           the caching allocator's history of one
+_snapshot``                                            step (``train.memory_snapshot_step``,
+                                                       hetpipe/memory_peak.py): torch's only way
+                                                       to say what holds device memory at a
+                                                       peak; pytorch.org/memory_viz reads it.
 ``torch._dynamo.utils.counters``                       the compiled-graph count bench_layer
                                                        prints (:func:`compiled_graph_count`).
 ``multiprocessing.forkserver._forkserver.``            the standard library's, not torch's: the
@@ -404,6 +409,23 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: torch.Tensor) -> None:
 
 def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     torch._foreach_copy_(list(dst), list(src))
+
+
+# -- device memory --------------------------------------------------------------------------------
+
+def record_allocator_history(max_entries: Optional[int]) -> None:
+    """Record every allocation and free on the current CUDA device, with its Python stack
+    (a fresh history), until called with None."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+                                                 max_entries=max_entries, clear_history=True)
+
+
+def allocator_snapshot() -> dict[str, Any]:
+    """The allocator's segments and recorded history (the ``device_traces`` per device)."""
+    return torch.cuda.memory._snapshot()
 
 
 # -- modules and parameters -----------------------------------------------------------------------

@@ -58,6 +58,7 @@ from hetpipe.devices.catalog import catalog_with, detect_device_type, device_spe
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
+from hetpipe.memory_peak import memory_snapshot_step
 from hetpipe.profiling import profile_step
 from hetpipe.pipeline.registry import schedule_spec
 from hetpipe.pipeline.schedules import build_schedule
@@ -414,7 +415,8 @@ def _train_step(r: _Rank, step: int, guard: NonFiniteGuard, preemption: Preempti
         r.weights.refresh()  # the main weights changed (optimizer step, checkpoint load)
     started = time.perf_counter()
     faults.hit("step", topo.rank, step)
-    with profile_step(t.profile_step == step, r.run_dir, topo.rank, step):
+    with profile_step(t.profile_step == step, r.run_dir, topo.rank, step), \
+            memory_snapshot_step(t.memory_snapshot_step == step, r.run_dir, topo.rank, step):
         batch = r.loader.next_step()
         loss_sum = r.engine.run_step(batch, r.token_weights(batch) if r.token_weights is not None else None)
         if r.reducer is not None:

@@ -48,7 +48,8 @@ results.json, with no throughput, and no ratio is taken against it.
 ``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
 peer then gets bf16 weights). The first ``--warmup`` steps are not timed (they
 include kernel loading and compilation); ``--profile`` adds one more, untimed,
-profiled step (train.profile_step) to every hetpipe run. Prints a table with TFLOP/s per GPU (Megatron's
+profiled step (train.profile_step) to every hetpipe run, ``--memory-snapshot`` one
+more that records what each rank holds at its memory peak (train.memory_snapshot_step). Prints a table with TFLOP/s per GPU (Megatron's
 formula), tokens/s, MFU, peak memory per GPU, each variant's ratio to nccl
 (and nccl's to the peer), and the measured step time beside the cost model's
 prediction for the same plan; writes ``results.json`` and ``results.md`` to --out.
@@ -139,9 +140,10 @@ def hetpipe_overrides(args, variant: str, flags: set[str], schedule: str,
     return [f"+model={args.model}", f"train.seq_length={args.seq_length}",
             f"train.micro_batch_size={args.micro_batch_size}",
             f"train.global_batch_size={args.micro_batch_size * args.microbatches * replicas}",
-            f"train.train_iters={args.steps + (1 if args.profile else 0)}", "train.log_interval=1",
+            f"train.train_iters={args.steps + args.profile + args.memory_snapshot}", "train.log_interval=1",
             f"train.compile={'compile' in flags}",
             *([f"train.profile_step={args.steps + 1}"] if args.profile else []),
+            *([f"train.memory_snapshot_step={args.steps + args.profile + 1}"] if args.memory_snapshot else []),
             f"train.precision={'bf16-pure' if 'pure' in flags else args.precision}",
             f"optimizer.distributed={'zero1' in flags}",
             *(["plan=auto", "planner.schedule=auto"] if schedule == PLAN_AUTO else
@@ -190,7 +192,7 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, s
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        timed = [r for r in rows if args.warmup < r["step"] <= args.steps]  # not the profiled step
+        timed = [r for r in rows if args.warmup < r["step"] <= args.steps]  # not the profiled/recorded steps
         result.update(losses=[r["loss"] for r in rows], steps_timed=len(timed),
                       # Rows carry TFLOP/s and MFU only where they mean something (hetpipe.metrics).
                       tflops_per_gpu=mean([r["tflops_per_device"] for r in timed if "tflops_per_device" in r]),
@@ -205,6 +207,9 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, s
             result["predicted_note"] = why
     # The first lines of each rank's profile: busy time and time by kernel class.
     result["profile"] = [path.read_text().split("\ntop kernels:")[0] for path in sorted(out.glob("profile_rank*.txt"))]
+    # What each rank held at its memory peak (the report's first 12 lines: the largest groups).
+    result["memory_peak"] = ["\n".join(path.read_text().splitlines()[:12])
+                             for path in sorted(out.glob("memory_peak_rank*.txt"))]
     mem = []
     for path in sorted(out.glob("memory_rank*.json")):
         mem.append(json.loads(path.read_text())["peak_allocated_gib"])
@@ -360,6 +365,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="hetpipe runs profile one extra, untimed step (train.profile_step); "
                         "the reports go into results.json and each run dir")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="hetpipe runs record one more extra, untimed step's allocations "
+                        "(train.memory_snapshot_step): what each rank held at its memory peak")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--set", action="append", default=[], help="extra hydra override for hetpipe runs")
     args = p.parse_args()
@@ -417,7 +425,7 @@ def main() -> None:
     text = table(results, args)
     (out / "results.md").write_text(text + "\n")
     for name, r in results.items():
-        for report in r.get("profile") or []:
+        for report in (r.get("profile") or []) + (r.get("memory_peak") or []):
             print(f"-- {name}: {report}")
     print(text)
 

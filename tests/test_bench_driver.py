@@ -158,7 +158,8 @@ def test_layers_auto_is_the_planners_split_for_each_schedule(monkeypatch):
 
     bench = _bench(monkeypatch)
     args = argparse.Namespace(model="llama8b", seq_length=4096, micro_batch_size=1, microbatches=16, steps=3,
-                              warmup=1, profile=False, precision="bf16-pure", data="demo", gpus=2, layers="auto",
+                              warmup=1, profile=False, memory_snapshot=False,
+                              precision="bf16-pure", data="demo", gpus=2, layers="auto",
                               set=["cluster.groups.0.device_type=H100"])
     model = model_preset("llama8b")
     train = TrainConfig(seq_length=4096, micro_batch_size=1, global_batch_size=16, precision="bf16-pure")
@@ -196,7 +197,8 @@ def test_layers_auto_takes_the_planners_recomputation_per_stage(monkeypatch):
 
     bench = _bench(monkeypatch)
     args = argparse.Namespace(model="llama8b", seq_length=8192, micro_batch_size=2, microbatches=16, steps=3,
-                              warmup=1, profile=False, precision="bf16-pure", data="demo", gpus=2, layers="auto",
+                              warmup=1, profile=False, memory_snapshot=False,
+                              precision="bf16-pure", data="demo", gpus=2, layers="auto",
                               set=["cluster.groups.0.device_type=H100"])
     split = bench.run_split(args, "nccl", set(), "1f1b")
     assert split.recompute is not None and set(split.recompute) != {"none"}
@@ -228,7 +230,8 @@ def test_sched_auto_runs_the_runs_own_plan_auto_and_reports_what_it_chose(tmp_pa
 
     bench = _bench(monkeypatch)
     args = argparse.Namespace(model="llama8b", seq_length=4096, micro_batch_size=1, microbatches=16, steps=3,
-                              warmup=1, profile=False, precision="bf16-pure", data="demo", gpus=2, layers="17,15",
+                              warmup=1, profile=False, memory_snapshot=False,
+                              precision="bf16-pure", data="demo", gpus=2, layers="17,15",
                               set=["cluster.groups.0.device_type=H100"])
     assert bench.run_split(args, "nccl", set(), "auto") is None  # --layers does not bind plan=auto
     overrides = bench.hetpipe_overrides(args, "nccl", set(), "auto", None)
@@ -241,3 +244,17 @@ def test_sched_auto_runs_the_runs_own_plan_auto_and_reports_what_it_chose(tmp_pa
     split, chosen = bench.ran_split(tmp_path)
     assert split.layers == [s.layers for s in plan.stages] and chosen == f"{plan.schedule}: "
     assert bench.ran_split(tmp_path / "absent") == (None, "")
+
+
+def test_profile_and_memory_snapshot_steps_come_after_the_timed_steps(monkeypatch):
+    """--profile and --memory-snapshot each add one untimed step, after the timed ones,
+    and the run's config carries each step's number."""
+    bench = _bench(monkeypatch)
+    args = argparse.Namespace(model="llama8b", seq_length=4096, micro_batch_size=1, microbatches=16, steps=3,
+                              warmup=1, profile=True, memory_snapshot=True, precision="bf16-pure", data="demo",
+                              gpus=2, layers="17,15", set=["cluster.groups.0.device_type=H100"])
+    cfg = bench.run_config(bench.hetpipe_overrides(args, "nccl", set(), "1f1b", bench.run_split(args, "nccl", set(), "1f1b")))
+    assert (cfg.train.train_iters, cfg.train.profile_step, cfg.train.memory_snapshot_step) == (5, 4, 5)
+    args.profile = False
+    cfg = bench.run_config(bench.hetpipe_overrides(args, "nccl", set(), "1f1b", bench.run_split(args, "nccl", set(), "1f1b")))
+    assert (cfg.train.train_iters, cfg.train.profile_step, cfg.train.memory_snapshot_step) == (4, None, 4)
