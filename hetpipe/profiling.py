@@ -8,7 +8,8 @@ how much of the step its GPU was busy, and with what. Step ``N`` runs under
 
 * the step's wall time and the time at least one kernel ran (the union over
   all streams), so the rest is the GPU waiting (pipeline bubble, boundary
-  receives, host work);
+  receives, host work); and the same union without communication kernels,
+  which on an NCCL/RCCL boundary occupy the GPU while they wait;
 * kernel time by class (GEMM, attention, communication, copies, other -
   mostly elementwise and reductions), summed over streams (overlapping
   kernels count twice);
@@ -75,6 +76,9 @@ def write_report(path: Path, rank: int, step: int, wall_us: float,
                  kernels: list[tuple[str, float, float]]) -> None:
     """The text report from (name, start_us, end_us) of every kernel of the step."""
     busy = _union_us([(a, b) for _, a, b in kernels])
+    # NCCL/RCCL kernels occupy the GPU while they wait for their peer, so "busy"
+    # counts a boundary's waits; the compute union leaves them out.
+    computing = _union_us([(a, b) for name, a, b in kernels if kernel_class(name) != "communication"])
     by_class: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     for name, a, b in kernels:
@@ -83,7 +87,9 @@ def write_report(path: Path, rank: int, step: int, wall_us: float,
         entry[0] += b - a
         entry[1] += 1
     lines = [f"rank {rank}, step {step}: wall {wall_us / 1e3:.1f} ms, GPU busy (any stream) {busy / 1e3:.1f} ms "
-             f"({100 * busy / wall_us:.1f} %), {len(kernels)} kernels", "",
+             f"({100 * busy / wall_us:.1f} %), {len(kernels)} kernels",
+             f"GPU computing (communication kernels left out) {computing / 1e3:.1f} ms "
+             f"({100 * computing / wall_us:.1f} %)", "",
              "kernel time by class (summed over streams):"]
     for label, t in sorted(by_class.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {label:<14} {t / 1e3:10.1f} ms  {100 * t / wall_us:5.1f} % of wall")

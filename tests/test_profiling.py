@@ -23,7 +23,8 @@ def test_report_counts_busy_time_once_and_sums_classes(tmp_path):
     path = tmp_path / "profile_rank1.txt"
     write_report(path, rank=1, step=3, wall_us=200.0, kernels=kernels)
     text = path.read_text()
-    assert text.startswith("rank 1, step 3: wall 0.2 ms, GPU busy (any stream) 0.1 ms (40.0 %), 3 kernels")
+    assert text.startswith("rank 1, step 3: wall 0.2 ms, GPU busy (any stream) 0.1 ms (40.0 %), 3 kernels\n"
+                           "GPU computing (communication kernels left out) 0.1 ms (30.0 %)\n")
     assert "gemm                  0.1 ms   30.0 % of wall" in text
     assert "communication         0.0 ms   15.0 % of wall" in text
     assert "2x  nvjet_gemm_a" in text
