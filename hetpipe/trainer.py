@@ -57,7 +57,8 @@ from hetpipe.devices.facts import check_local_devices
 from hetpipe.devices.catalog import catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import resolve_plan
-from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, resolve_precision
+from hetpipe.models.precision import (Bf16Weights, activation_dtype, cast_parameters, fuse_linear_grads,
+                                      resolve_precision)
 from hetpipe.memory_peak import memory_snapshot_step
 from hetpipe.profiling import profile_step
 from hetpipe.pipeline.registry import schedule_spec
@@ -332,6 +333,8 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     chunks = _build_chunks(cfg, plan, topo)
     if precision == "bf16-pure":
         cast_parameters(chunks, torch.bfloat16)  # before the reducer's buffers and the optimizer's state
+        if t.grad_accumulation_fusion and not t.compile:
+            fuse_linear_grads(chunks)
         if topo.rank == 0:
             print("hetpipe: note: train.precision=bf16-pure keeps no fp32 main weights (updates below a "
                   "weight's bf16 resolution are lost); it is for comparisons with pure-bf16 runs, "

@@ -41,7 +41,8 @@ from hetpipe.models.families import spec_of
 from hetpipe.models.layers import fuse_elementwise as fuse_module, fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
-from hetpipe.models.precision import Bf16Weights, activation_dtype, cast_parameters, compute_context, resolve_precision
+from hetpipe.models.precision import (Bf16Weights, activation_dtype, cast_parameters, compute_context,
+                                      fuse_linear_grads, resolve_precision)
 
 PROFILE_FORMAT = "hetpipe-profile/1"
 UNIT_KINDS = ("embedding", "layer", "head")
@@ -164,6 +165,7 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
         module = build_model(model, seed=seed, units=span, device=device)
         if mode == "bf16-pure":
             cast_parameters([module], torch.bfloat16)
+            fuse_linear_grads([module])  # as the trainer runs it (train.grad_accumulation_fusion)
         if fused:
             fuse_module(module)
         set_recompute(module, rc)

@@ -14,7 +14,7 @@ from conftest import run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.models.precision import Bf16Weights, cast_parameters, resolve_precision
+from hetpipe.models.precision import Bf16Weights, cast_parameters, fuse_linear_grads, resolve_precision
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,6 +71,38 @@ def test_forward_runs_on_bf16_copies_and_grads_accumulate_in_fp32(one_thread):
     weights.refresh()
     for p, w in zip(model.parameters(), weights.copies()):
         assert torch.equal(w, p.detach().to(torch.bfloat16))
+
+
+def test_bf16_pure_fused_weight_gradients_add_into_bf16_grads_and_fire_hooks(one_thread):
+    """bf16-pure's fusion: each decoder linear's weight gradient is one GEMM adding
+    into the bf16 .grad (one rounding per microbatch, not two), hooks once per
+    microbatch, the parameters untouched in name, type and dtype."""
+    fused, plain = build_model(CFG, seed=1), build_model(CFG, seed=1)
+    cast_parameters([fused, plain], torch.bfloat16)
+    names = [n for n, _ in fused.named_parameters()]
+    fuse_linear_grads([fused])
+    linear = fused.layers["0"].mlp.down.weight
+    calls = []
+    linear.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    reference = build_model(CFG, seed=1)  # fp32, from the bf16 weights: what both approximate
+    with torch.no_grad():
+        for a, b in zip(reference.parameters(), plain.parameters()):
+            a.copy_(b.float())
+    for tokens, labels in _batch(3):
+        for model in (fused, plain, reference):
+            model(tokens, labels).backward()
+    assert len(calls) == 3 and torch.equal(calls[-1], linear.grad)
+    assert [n for n, _ in fused.named_parameters()] == names
+    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == p.grad.dtype == torch.bfloat16
+               for p in fused.parameters())
+    for (n, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=1e-3, msg=n)
+    # One rounding per microbatch instead of two: every linear's gradient nearer the fp32 one.
+    errors = {}
+    for (n, a), (_, b), (_, r) in zip(fused.named_parameters(), plain.named_parameters(), reference.named_parameters()):
+        if "layers" in n and n.endswith(".weight") and a.dim() == 2:
+            errors[n] = ((a.grad.float() - r.grad).norm().item(), (b.grad.float() - r.grad).norm().item())
+    assert len(errors) == 8 and all(fused_error < plain_error for fused_error, plain_error in errors.values())
 
 
 def test_fused_weight_gradients_land_in_fp32_grads_and_fire_hooks(one_thread):

@@ -15,7 +15,7 @@ from hetpipe.models import build_model, model_preset
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import backward_input, capture_output
 from hetpipe.partitioner.plan_data import Plan, StagePlan
-from hetpipe.models.precision import Bf16Weights
+from hetpipe.models.precision import Bf16Weights, cast_parameters, fuse_linear_grads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,6 +29,9 @@ def _grads_of(preset: str, precision: str, recompute: str, split: bool, **overri
     chunk = build_model(cfg, seed=1)
     set_recompute(chunk, recompute)
     weights = Bf16Weights([chunk], fuse_linear_grads=True) if precision == "bf16" else None
+    if precision == "bf16-pure":
+        cast_parameters([chunk], torch.bfloat16)
+        fuse_linear_grads([chunk])
     hooks = []
     for p in chunk.parameters():
         p.register_post_accumulate_grad_hook(hooks.append)
@@ -59,6 +62,8 @@ def _grads_of(preset: str, precision: str, recompute: str, split: bool, **overri
     ("tiny_qwen2", "bf16", "selective", False),
     ("tiny_qwen3", "fp32", "none", False),       # QK-norm's weight products split between B and W
     ("tiny_qwen3", "bf16", "selective", True),
+    ("tiny_llama", "bf16-pure", "none", False),  # fused linears adding into bf16 .grad
+    ("tiny_qwen2", "bf16-pure", "selective", False),
 ])
 def test_split_backward_is_bitwise_the_whole_backward(one_thread, preset, precision, recompute, tied):
     tie = {"share_embeddings_and_output_weights": tied}
