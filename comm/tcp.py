@@ -72,14 +72,9 @@ from hetpipe.comm.rendezvous import connect_peers
 from hetpipe.comm.sockets import recv_exact
 from hetpipe.comm.staging import HostStaging
 from hetpipe.comm.tcp_links import (Link, LinkStalled, StallNamingHandle, half_closed_report, link_of,
-                                    split_pieces, stall_report)
+                                    split_pieces, stall_after, stall_report)
 from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
 
-# A receive that has some of its pieces but lacks the rest for half the
-# deadline, at most this long, has a stalled link (TcpChannel._watch_links).
-# Equal pieces queued at once on links of equal speed arrive within
-# milliseconds of each other; a minute is a link that stopped.
-_STALL_CAP_S = 60.0
 # Pieces up to this size go out in one send together with their header.
 _COALESCE_BYTES = 64 * 1024
 _DRAIN_CHUNK = 1 << 20
@@ -167,7 +162,7 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         self.addresses = list(addresses)
         self.streams_per_address = int(streams_per_address)
         self.nstreams = len(self.addresses) * self.streams_per_address
-        self._stall_s = min(self.deadline / 2, _STALL_CAP_S)
+        self._stall_s = stall_after(self.deadline)
         self.device = torch.device(device) if device is not None else None
         self._staging = HostStaging(self.device)
         self._peers = {p: _TcpPeer(rank=p, name=self.name_of(p)) for p in self.peers}
@@ -413,7 +408,9 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
                             f"connection to {peer.name} lost: {half_closed_report(peer.links, peer.closed)}",
                             peer.rank) if half_closed else None)
                         if error is not None:
-                            self._fail_peer(peer, error)
+                            # Evident with nothing pending too: the ranks of both nodes may be in a
+                            # collective over the dead link, which names nobody when it times out.
+                            self._fail_peer(peer, error, evident=True)
                     finally:
                         peer.cond.acquire()
 

@@ -75,6 +75,19 @@ class Link:
         return f"{name + ' ' if name else ''}{self.local} {'<-' if incoming else '->'} {self.remote}"
 
 
+# A receive that has some of its pieces but lacks the rest for half the
+# deadline, at most this long, has a stalled link (TcpChannel._watch_links).
+# Equal pieces queued at once on links of equal speed arrive within
+# milliseconds of each other; a minute is a link that stopped.
+_STALL_CAP_S = 60.0
+
+
+def stall_after(deadline: float) -> float:
+    """Seconds after which a link that carried nothing, while its peer's other
+    links moved or closed, has stalled: half the deadline, at most a minute."""
+    return min(deadline / 2, _STALL_CAP_S)
+
+
 class StallNamingHandle(CompletionHandle):
     """A transfer's handle whose timeout names the link(s) a missing piece was due on.
 

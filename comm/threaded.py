@@ -141,8 +141,13 @@ class ThreadedChannel(Channel, Generic[PeerT]):
     def _release(self) -> None:
         """After close() joined every thread: free sockets, buffers, movers."""
 
-    def _fail_peer(self, peer: PeerT, error: ChannelError) -> None:
-        """Fail every pending transfer with ``peer`` and cut it off (first error wins)."""
+    def _fail_peer(self, peer: PeerT, error: ChannelError, evident: bool = False) -> None:
+        """Fail every pending transfer with ``peer`` and cut it off (first error wins).
+
+        The failure is reported (:meth:`notify_failures`) when a transfer was pending,
+        or when ``error`` is ``evident`` by itself: a peer whose connections all close
+        while nothing is pending may just have finished the job, but one that closed
+        some and left the others silent has not (comm/tcp.py's half-closed rule)."""
         with peer.cond:
             if peer.error is not None:
                 return
@@ -151,7 +156,7 @@ class ThreadedChannel(Channel, Generic[PeerT]):
             peer.error = error
             pending = self._abandon(peer)
             peer.cond.notify_all()
-        if pending and not self._closing:
+        if (pending or evident) and not self._closing:
             if self._on_failure is not None:
                 self._on_failure(error)  # the watch reports it; a log line would only repeat it
             else:

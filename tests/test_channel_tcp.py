@@ -141,6 +141,38 @@ def connect_then_idle(rank: int, store, seconds: float) -> str:
     return "idle"
 
 
+def close_one_link_then_idle(rank: int, store, seconds: float) -> str:
+    """Two links; after one message each way, shut this side of the first link and leave
+    the second open and silent for ``seconds`` (a process behind a dead NIC: its other
+    link's close never arrives); with ``seconds`` 0, close the channel (every link)."""
+    with channel(rank, store, addresses=LOOPBACKS[:2], deadline=2.0) as ch:
+        buf = torch.empty(3)
+        ch.irecv(buf, 0, microbatch=0, kind="fwd").wait()
+        ch.isend(buf, 0, microbatch=0, kind="bwd").wait()
+        if seconds:
+            ch._peers[0].links[0].sock.shutdown(socket.SHUT_WR)
+            time.sleep(seconds)
+    return "idle"
+
+
+def _report_after_exchange(seconds: float) -> tuple[list, float]:
+    """Stage 0's side of close_one_link_then_idle: the failures its channel reported
+    within 3.5 s of the exchange, and when the first came."""
+    reported = []
+    with Ranks(close_one_link_then_idle, [1], seconds) as ranks:
+        with channel(0, ranks.store, addresses=LOOPBACKS[:2], deadline=2.0) as ch:
+            ch.notify_failures(reported.append)
+            back = torch.empty(3)
+            ch.isend(torch.arange(3.0), 1, microbatch=0, kind="fwd").wait()
+            ch.irecv(back, 1, microbatch=0, kind="bwd").wait()
+            exchanged = time.monotonic()
+            while not reported and time.monotonic() < exchanged + 3.5:
+                time.sleep(0.05)
+            took = time.monotonic() - exchanged
+        assert ranks.results()[1] == "idle"
+    return reported, took
+
+
 def chain_end(rank: int, store, count: int) -> list[float]:
     """Stage 0 sends fwd to stage 1 and collects bwd; stage 2 turns each fwd into a bwd."""
     with channel(rank, store, peers=[1], addresses=LOOPBACKS[:2]) as ch:
@@ -326,6 +358,25 @@ def test_middle_stage_accepts_from_below_and_connects_above():
         results = ranks.results()
     assert results[0] == [10.0 * (mb + 1) for mb in range(5)]
     assert results[2] == [mb + 1.0 for mb in range(5)]
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_lost_behind_a_dead_link_is_reported_with_nothing_pending():
+    """A peer that closed one link and left the other silent is reported to the job's
+    watch half the deadline later although no transfer is pending: the ranks may all
+    be in a collective over the dead link, whose timeout names nobody
+    (tests/test_nic_faults.py)."""
+    reported, took = _report_after_exchange(4.0)
+    assert [type(e).__name__ for e in reported] == ["PeerLost"], reported
+    assert "the peer closed link" in str(reported[0]) and "has carried nothing for" in str(reported[0])
+    assert 0.9 <= took <= 2.5, took  # half the 2 s deadline, and the watch's quarter-stall polls
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_that_closes_every_link_with_nothing_pending_is_not_reported():
+    """A peer that finished closes all its links at once: no failure to report."""
+    reported, took = _report_after_exchange(0.0)
+    assert reported == [] and took >= 3.5
 
 
 @pytest.mark.timeout(30)
