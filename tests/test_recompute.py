@@ -20,7 +20,7 @@ from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
 from hetpipe.partitioner.resolve import resolve_plan
-from hetpipe.models.precision import Bf16Weights, compute_context
+from hetpipe.models.precision import Bf16Weights, cast_parameters, compute_context, fuse_linear_grads
 from hetpipe.pretrain_config import resolve
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,13 +34,16 @@ def _step(chunk, first: bool, last: bool, precision: str = "fp32") -> tuple:
     """Two microbatches of forward + backward, accumulated: (losses or outputs,
     input gradients, parameter gradients, bytes kept for the backward, RNG state changed)."""
     weights = Bf16Weights([chunk], fuse_linear_grads=True) if precision == "bf16" else None
+    if precision == "bf16-pure":  # the trainer's way: bf16 parameters, fused weight gradients
+        cast_parameters([chunk], torch.bfloat16)
+        fuse_linear_grads([chunk])
     gen = torch.Generator().manual_seed(0)
     outs, input_grads, kept = [], [], 0
     rng = torch.get_rng_state()
     for _ in range(2):
         tokens = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen)
         # The residual stream's dtype: bf16 in bf16 mode (hetpipe.models.precision).
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if precision in ("bf16", "bf16-pure") else torch.float32
         hidden = torch.randn(BATCH, SEQ, CFG.hidden_size, generator=gen).to(dtype).requires_grad_()
         x = tokens if first else hidden
         storages = weight_storages(chunk, weights)
@@ -57,7 +60,7 @@ def _step(chunk, first: bool, last: bool, precision: str = "fp32") -> tuple:
     return outs, input_grads, grads, kept, not torch.equal(rng, torch.get_rng_state())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
 @pytest.mark.parametrize("units", [None, (1, 4)], ids=["whole", "middle"])
 def test_every_mode_gives_the_same_losses_and_gradients_bitwise(units, precision, one_thread):
     first, last = units is None, units is None
