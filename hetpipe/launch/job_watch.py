@@ -388,9 +388,8 @@ def grace_for(exc: BaseException, deadline: float) -> float:
     itself, and a channel names a node gone silent behind a dead link only half the
     deadline after it saw the link close (comm/tcp.py). Upstream ranks have waited
     longest, so their timeouts come first: with node 1's route to the store down,
-    node 0's ranks timed out in a receive from their neighbour, or in a collective
-    over the dead link, before their channel named node 1 (tests/test_nic_faults.py:
-    2 of 3 runs of the module under two workers failed so, none of 6 since)."""
+    node 0's ranks timed out before their channel named node 1 (tests/test_nic_faults.py:
+    2 of 3 runs of the module under two workers, none of 6 since)."""
     timeout = isinstance(exc, ChannelTimeout) and not isinstance(exc, LinkStalled) or \
         _is_comm_failure(exc) and "timed out" in str(exc).lower()
     return _GRACE_S + (stall_after(deadline) if timeout else 0.0)
