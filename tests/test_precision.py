@@ -208,6 +208,12 @@ def test_bf16_pure_pipeline_equals_single_process_resumes_and_holds_bf16_state(t
     moments = [t for s in saved.glob("optim-*.safetensors") for n, t in load_file(s).items() if "exp_avg" in n]
     assert moments and all(t.dtype == torch.bfloat16 for t in moments)
 
+    # Data parallel: the fused weight gradients land in the DP reducer's bf16 buffers; DP2 tracks one process.
+    dp, _ = _train(tmp_path, "dp", corpus_prefix, "train.precision=bf16-pure", f"train.train_iters={steps}",
+                   "cluster=cpu_homogeneous", "partition.dp=2")
+    for step, (loss, _) in single.items():
+        assert dp[step][0] == pytest.approx(loss, rel=5e-3), step
+
     bf16, _ = _train(tmp_path, "bf16", corpus_prefix, "train.precision=bf16", f"train.train_iters={steps}")
     assert bf16 != single  # no fp32 main weights really changed the arithmetic
     for step, (loss, _) in single.items():
