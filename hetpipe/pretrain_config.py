@@ -50,7 +50,7 @@ class TrainConfig:
     # bf16 and bf16-pure: the decoder layers' weight-gradient GEMMs accumulate
     # straight into the gradients, fp32 or bf16 (Megatron's
     # --gradient-accumulation-fusion); off under train.compile. Without it a
-    # bf16-pure step ran an add kernel per weight per microbatch: 4.9 % of a
+    # bf16-pure step ran an add kernel per weight per microbatch: 4.8 % of a
     # LLaMA-3-8B stage's kernel time on 2xH100 (zb_v, seq 4096).
     grad_accumulation_fusion: bool = True
     # torch.compile each decoder layer (Module.compile).

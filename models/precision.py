@@ -235,7 +235,7 @@ def fuse_linear_grads(chunks: Sequence[nn.Module]) -> None:
     compute their weight gradient as one GEMM that adds into the bf16
     ``.grad`` in place (:class:`_LinearMainGrad`). Autograd's way is a GEMM
     into a new bf16 tensor and then an add kernel reading and writing every
-    gradient for every microbatch: 4.9 % of a LLaMA-3-8B stage's kernel
+    gradient for every microbatch: 4.8 % of a LLaMA-3-8B stage's kernel
     time in a 2xH100 profile (zb_v, seq 4096, docs/benchmarks.md), and a
     second rounding."""
     for chunk in chunks:
