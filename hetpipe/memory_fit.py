@@ -274,10 +274,13 @@ def _gib(x: float) -> str:
 
 
 def write_peak_memory(run_dir: Path, rank: int, device: torch.device) -> None:
-    """Each GPU rank's peak memory, for benchmark reports (``memory_rank<r>.json``)."""
+    """Each GPU rank's peak memory, for benchmark reports (``memory_rank<r>.json``), and
+    how often the caching allocator found the device full and freed its cache to retry
+    (``alloc_retries``: each retry synchronizes the device, so a run near capacity slows)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     gib = 2**30
     record = {"rank": rank, "device": str(device),
               "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
-              "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+              "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+              "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0)}
     (run_dir / f"memory_rank{rank}.json").write_text(json.dumps(record) + "\n")

@@ -210,10 +210,9 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, s
     # What each rank held at its memory peak (the report's first 12 lines: the largest groups).
     result["memory_peak"] = ["\n".join(path.read_text().splitlines()[:12])
                              for path in sorted(out.glob("memory_peak_rank*.txt"))]
-    mem = []
-    for path in sorted(out.glob("memory_rank*.json")):
-        mem.append(json.loads(path.read_text())["peak_allocated_gib"])
-    result["peak_mem_gib"] = mem
+    records = [json.loads(path.read_text()) for path in sorted(out.glob("memory_rank*.json"))]
+    result["peak_mem_gib"] = [rec["peak_allocated_gib"] for rec in records]
+    result["alloc_retries"] = [rec.get("alloc_retries") for rec in records]
     return result
 
 
@@ -420,7 +419,7 @@ def main() -> None:
         r = results[variant]
         outcome = f"FAILED ({r['failed']})" if "failed" in r else f"TFLOP/s/GPU {r.get('tflops_per_gpu')}"
         print(f"   rc={r['rc']} wall {r['wall_s']:.0f} s  split {split.describe() if split else 'even'}  {outcome}  "
-              f"peak mem {r.get('peak_mem_gib')}", flush=True)
+              f"peak mem {r.get('peak_mem_gib')}  allocator retries {r.get('alloc_retries')}", flush=True)
         (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = table(results, args)
     (out / "results.md").write_text(text + "\n")
