@@ -49,6 +49,15 @@ ADAM_BYTES = 8
 ADAM_STEP_BYTES = 28
 # Receive buffers the engine keeps posted ahead, per direction.
 RECV_AHEAD = 2
+# Tensor parallelism, measured with LLaMA-3-8B at TP2 on two H100s (NVLink, seq
+# 8192, bf16-pure, 16 microbatches; docs/benchmarks.md, seventeenth session): the
+# 64 MiB activation all-reduces ran at 0.56 of the link's per-direction figure
+# (0.27 ms each), and the ranks computed 11.7 % of a TP1 unit's time twice: norms,
+# residual adds and the vocab-parallel loss's fp32 math are not split, and
+# half-width GEMMs run slower. Without these the planner predicted 6.03 s for a
+# 6.87 s step and chose TP2 over PP2's 6.19 s.
+TP_LINK_EFFICIENCY = 0.56
+TP_UNSPLIT_SHARE = 0.117
 
 
 @dataclass
@@ -327,8 +336,8 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
 
     # Compute. The embedding is memory-bound: gather rows, then scatter-add its
     # gradient into a dense fp32 table.
-    fwd = flops_fwd / rate
-    bwd = 2.0 * flops_fwd / rate
+    fwd = forward_flops(model, b, s) * tp_share(tp) / rate
+    bwd = 2.0 * fwd
     fwd[0] = 2.0 * b * s * h * r / bandwidth
     bwd[0] = (b * s * h * r + 2.0 * v * h / tp * GRAD_BYTES) / bandwidth
 
@@ -351,14 +360,19 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
         if measured is not None:
             act, transient = _recompute_memory(act, transient, model, b, s, tp, prec, shape.recompute)
             act_tp1 = _recompute_memory(act_tp1, transient, model, b, s, 1, prec, shape.recompute)[0]
+        head_act, head_transient = act[-1], transient[-1]
         act, transient = _measured_memory(units, model, scale, act / act_tp1, transient)
+        if tp > 1:
+            # The profile measured the fused, chunked loss; under TP the head runs the
+            # vocab-parallel one, which holds its [tokens, vocab/tp] logits in fp32.
+            act[-1], transient[-1] = head_act, head_transient
     if measured is None:
         bwd[layers] += _recompute_s(shape.recompute, fwd[layers], core_s)
         act, transient = _recompute_memory(act, transient, model, b, s, tp, prec, shape.recompute)
 
     tp_comm = np.zeros(model.num_units)
     if tp > 1:
-        link, lat = spec.intra_node_link_gbs / 2, net.intra_node_latency_us
+        link, lat = spec.intra_node_link_gbs / 2 * TP_LINK_EFFICIENCY, net.intra_node_latency_us
 
         def ar(nbytes: float) -> float:
             return allreduce_s(nbytes, tp, link, lat)
@@ -437,12 +451,17 @@ def _profile_kinds(model: ModelConfig) -> list[str]:
     return ["embedding"] + ["layer"] * model.num_layers + ["head"]
 
 
+def tp_share(tp: int) -> float:
+    """The share of a TP1 unit's compute time one of ``tp`` ranks spends on it."""
+    return 1.0 if tp <= 1 else (1.0 - TP_UNSPLIT_SHARE) / tp + TP_UNSPLIT_SHARE
+
+
 def _measured_times(units: dict, model: ModelConfig, scale: float, tp: int) -> tuple[np.ndarray, np.ndarray]:
     """A profile's forward and backward times, scaled to the microbatch's tokens
     (exact when the profile used the training microbatch size) and split over TP."""
     kinds = _profile_kinds(model)
-    fwd = np.array([units[k]["forward_s"] for k in kinds]) * scale / tp
-    bwd = np.array([units[k]["backward_s"] for k in kinds]) * scale / tp
+    fwd = np.array([units[k]["forward_s"] for k in kinds]) * scale * tp_share(tp)
+    bwd = np.array([units[k]["backward_s"] for k in kinds]) * scale * tp_share(tp)
     return fwd, bwd
 
 

@@ -5,8 +5,8 @@ from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.devices.catalog import CATALOG, catalog_with, detect_device_type, device_spec
-from hetpipe.partitioner.cost import (GIB, NetworkConfig, Precision, StageShape, allreduce_s, forward_flops,
-                                      message_s, static_bytes_per_param, unit_costs, unit_params)
+from hetpipe.partitioner.cost import (GIB, TP_UNSPLIT_SHARE, NetworkConfig, Precision, StageShape, allreduce_s,
+                                      forward_flops, message_s, static_bytes_per_param, unit_costs, unit_params)
 
 
 def test_catalog_has_the_issue_devices_and_takes_overrides():
@@ -49,7 +49,10 @@ def test_llama8b_head_weighs_about_two_layers_and_tp_divides_work():
     uc = unit_costs(model, h200, StageShape(1, 1, 8192), Precision.for_device(h200), NetworkConfig())
     assert 1.5 < uc.time_s[-1] / uc.time_s[1] < 2.5
     tp4 = unit_costs(model, h200, StageShape(4, 1, 8192), Precision.for_device(h200), NetworkConfig())
-    assert tp4.forward_s[1] == pytest.approx(uc.forward_s[1] / 4)
+    # Each rank computes its quarter of the split work and all of the unsplit share.
+    assert tp4.forward_s[1] == pytest.approx(uc.forward_s[1] * ((1 - TP_UNSPLIT_SHARE) / 4 + TP_UNSPLIT_SHARE))
+    assert uc.forward_s[1] / 4 < tp4.forward_s[1] < uc.forward_s[1] / 2
+    assert tp4.flops[1] == pytest.approx(uc.flops[1] / 4)  # model FLOPs: what TFLOP/s counts
     assert tp4.tp_comm_s[1] > 0 and uc.tp_comm_s[1] == 0
     # The norms' tensors stay whole on every TP rank.
     assert uc.activation_bytes[1] / 4 < tp4.activation_bytes[1] < uc.activation_bytes[1] * 0.75
