@@ -52,9 +52,9 @@ RECV_AHEAD = 2
 # Tensor parallelism, measured with LLaMA-3-8B at TP2 on two H100s (NVLink, seq
 # 8192, bf16-pure, 16 microbatches; docs/benchmarks.md, seventeenth session): the
 # 64 MiB activation all-reduces ran at 0.56 of the link's per-direction figure
-# (0.27 ms each), and the ranks computed 11.7 % of a TP1 unit's time twice: norms,
-# residual adds and the vocab-parallel loss's fp32 math are not split, and
-# half-width GEMMs run slower. Without these the planner predicted 6.03 s for a
+# (0.27 ms each), and each rank computed 11.7 % of a TP1 unit's time in full, not
+# halved: norms, residual adds and the vocab-parallel loss's fp32 math are not
+# split, and half-width GEMMs run slower. Without these the planner predicted 6.03 s for a
 # 6.87 s step and chose TP2 over PP2's 6.19 s.
 TP_LINK_EFFICIENCY = 0.56
 TP_UNSPLIT_SHARE = 0.117
