@@ -101,7 +101,8 @@ def sections(spec: RunSpec, layout: str = "fsdp") -> list[tuple[str, list[tuple[
     out = [
         ("job", [("description", f"hetpipe peer bench: {spec.model} seq {spec.seq_length}", ""),
                  ("dump_folder", "OUT", "replaced with the run's directory")]),
-        ("metrics", [("log_freq", 1, "one line per step: the bench reads tps, memory and loss from it")]),
+        ("metrics", [("log_freq", 1, "one line per step: the bench reads tps, memory and loss from it"),
+                     ("disable_color_printing", True, "plain lines to parse")]),
         ("model", [("name", SPEC_NAME, "torchtitan's llama3 spec with hetpipe's flavors and dataset"),
                    ("flavor", spec.model, "the hetpipe preset's shape (torchtitan_ext.flavor_args)"),
                    *([("converters", ["float8"], "torchao float8 linears: torchtitan's fp8 training")]
