@@ -122,7 +122,7 @@ def hetpipe_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "hetpipe.pretrain", f"+model={args.model}", f"cluster=gpu{args.gpus}_homogeneous",
             "plan=auto", "planner.schedule=auto", f"train.seq_length={args.seq_length}",
             f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch_size}",
-            f"train.train_iters={args.steps}", "train.log_interval=1", "train.compile=true", "train.precision=bf16",
+            f"train.train_iters={args.steps}", "train.log_interval=1", "train.precision=bf16",
             "optimizer.lr_warmup_iters=2000", "logging.progress=false", f"data.path={Path(args.data).resolve()}",
             *args.set, f"hydra.run.dir={run_dir}"]
 

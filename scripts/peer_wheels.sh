@@ -10,7 +10,7 @@
 #                      dill/multiprocess pins; it asks fsspec<=2026.2.0 and the image has 2026.7.0, which
 #                      its import does not check), tyro (+ docstring_parser, typeguard, shtab). tomli is only a
 #                      fallback for python < 3.11 (tomllib), so it is not carried.
-#   torchao            float8 training (torchtitan's `float8` converter)
+#   torchao 0.18.0     float8 training (torchtitan's `float8` converter); the release the kernel bundle carries, run on the image
 #   megatron-core 0.16.1  a cp312 binary wheel (its dataset helpers compiled); requires only torch, numpy,
 #                      packaging. It ships no megatron.training: scripts/peers/megatron_train.py is the loop.
 #   hydra-core, omegaconf, antlr4-python3-runtime  for hetpipe itself
@@ -28,7 +28,7 @@ rm -rf .pw && mkdir -p .pw
 python3 -m pip download -q --no-deps "${py[@]}" -d .pw \
   torchtitan==0.2.2 torchdata==0.11.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 \
   tyro==0.9.35 docstring_parser==0.17.0 typeguard==4.4.4 shtab==1.7.2 \
-  torchao==0.17.0 megatron-core==0.16.1 \
+  torchao==0.18.0 megatron-core==0.16.1 \
   hydra-core==1.3.2 omegaconf==2.3.0
 # antlr4's runtime is published as a source archive only: build its (pure-Python) wheel here.
 python3 -m pip wheel -q --no-deps -w .pw antlr4-python3-runtime==4.9.3
