@@ -27,6 +27,7 @@ LAYER_OF = {
     "hetpipe.cluster": GROUND,
     "hetpipe.torch_compat": GROUND,
     "hetpipe.known_warnings": GROUND,
+    "hetpipe.value_checks": GROUND,
     "hetpipe.devices": GROUND,
     "hetpipe.pipeline": GROUND,  # actions, placements, the schedule registry and orders, the simulator
     "hetpipe.pipeline.engine": RUNTIME,  # runs the vocabulary on models and channels
