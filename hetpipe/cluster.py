@@ -14,7 +14,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from hetpipe import value_checks
+import hetpipe.value_checks as value_checks
 from hetpipe.errors import ConfigError
 
 VENDORS = ("nvidia", "amd", "cpu", "auto")

@@ -24,7 +24,7 @@ from hetpipe.models.recompute import check_recompute
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.models.precision import PRECISIONS
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
-from hetpipe import value_checks
+import hetpipe.value_checks as value_checks
 
 # Microbatches per step at most (global_batch_size / micro_batch_size): each rank
 # holds its step as a list of a few actions per microbatch, and the memory check

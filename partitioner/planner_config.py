@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hetpipe import value_checks
+import hetpipe.value_checks as value_checks
 from hetpipe.errors import ConfigError
 from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner.cost import NetworkConfig

@@ -1,7 +1,7 @@
 """hetpipe's layers, and the rule that keeps them layers: a module imports only
 its own layer and the layers below it (docs/architecture.md, "Layers").
 
-    ground floor  errors, cluster, torch_compat, known_warnings, devices, the pipeline's vocabulary
+    ground floor  errors, value_checks, cluster, torch_compat, known_warnings, devices, the pipeline's vocabulary
     libraries     parallel (collective primitives), data, comm: the ground floor only
                   models: the ground floor and parallel (its TP plan)
                   partitioner: the ground floor and models (a family's arithmetic)
