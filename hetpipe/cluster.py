@@ -14,6 +14,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import hetpipe.value_checks as value_checks
 from hetpipe.errors import ConfigError
 
 VENDORS = ("nvidia", "amd", "cpu", "auto")
@@ -154,8 +155,8 @@ class ClusterConfig:
             except ValueError:
                 raise ConfigError(f"cluster.transport.subnets has {cidr!r}, which is not a CIDR such as "
                                   "10.201.0.0/24") from None
-        if self.transport.deadline_s <= 0:
-            raise ConfigError("cluster.transport.deadline_s must be positive")
+        value_checks.positive("cluster.transport.deadline_s", self.transport.deadline_s,
+                              why=": a number of seconds every boundary wait may take")
         if self.transport.message_mac and self.transport.kind in ("direct", "gloo"):
             raise ConfigError(f"cluster.transport.message_mac covers the tcp channel's frames only, not "
                               f"kind={self.transport.kind}: use kind=tcp, or message_mac=false")

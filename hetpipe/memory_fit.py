@@ -9,10 +9,11 @@ started by torchrun on other nodes. A plan that does not fit is refused with
 one line naming the stage, both figures and what would fit (exit 2, every
 rank ending with the same line: :mod:`hetpipe.launch.job_watch`).
 
-CPU ranks use host RAM, which the plan's GiB do not describe: they are checked
-only against a capacity declared for them, ``planner.memory_gib.<group>``
-(the planner's stand-in for the small GPU an emulated group plays), so an
-emulated cluster can rehearse the refusal.
+CPU ranks use host RAM: a group given a capacity, ``planner.memory_gib.<group>``
+(the planner's stand-in for the small GPU an emulated group plays), is checked
+against it here, so an emulated cluster can rehearse the refusal; the others
+are checked together against the host's available memory
+(:mod:`hetpipe.host_memory_fit`).
 
 An out-of-memory error that still happens (torch's OutOfMemoryError) becomes
 one line naming the rank, stage, step and the device's allocated and total

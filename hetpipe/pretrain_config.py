@@ -24,6 +24,12 @@ from hetpipe.models.recompute import check_recompute
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.models.precision import PRECISIONS
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
+import hetpipe.value_checks as value_checks
+
+# Microbatches per step at most (global_batch_size / micro_batch_size): each rank
+# holds its step as a list of a few actions per microbatch, and the memory check
+# walks every rank's list before anything runs (docs/architecture.md, "Odd values").
+MAX_MICROBATCHES = 2**16
 
 
 @dataclass
@@ -142,6 +148,10 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}")
+        self._check_microbatches()
+        value_checks.seed("train.seed", self.seed)
+        if self.peak_tflops is not None:
+            value_checks.positive("train.peak_tflops", self.peak_tflops)
         for name in ("profile_step", "memory_snapshot_step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a step number (1-based)")
@@ -161,6 +171,15 @@ class TrainConfig:
         for name in self.preemption_signals:
             if name not in allowed:
                 raise ConfigError(f"train.preemption_signals lists {name!r}; allowed: {', '.join(allowed)}")
+
+    def _check_microbatches(self) -> None:
+        count = self.global_batch_size // self.micro_batch_size
+        if count > MAX_MICROBATCHES:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is {count} microbatches of "
+                f"train.micro_batch_size={self.micro_batch_size} per step; hetpipe runs at most {MAX_MICROBATCHES} "
+                "(a rank holds its step as a list of actions per microbatch): a smaller global batch, or larger "
+                "microbatches")
 
 
 # How warmup counts its steps (OptimizerConfig.lr_warmup_style).
@@ -204,6 +223,13 @@ class OptimizerConfig:
     distributed: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
+            value_checks.in_range(f"optimizer.{name}", getattr(self, name), 0)
+        for name in ("adam_beta1", "adam_beta2"):
+            value_checks.in_range(f"optimizer.{name}", getattr(self, name), 0, 1)
+            if getattr(self, name) == 1:
+                raise ConfigError(f"optimizer.{name}=1.0 must be below 1: Adam's bias correction divides by 1 - beta")
+        value_checks.positive("optimizer.adam_eps", self.adam_eps)
         # lr=0 (with min_lr=0) is a run that updates nothing: evaluation, or a check of a set-up.
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optimizer: need 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
@@ -348,8 +374,7 @@ class PartitionConfig:
                               "must be positive")
         if self.recv_ahead is not None and self.recv_ahead < 1:
             raise ConfigError(f"partition.recv_ahead={self.recv_ahead} must be at least 1")
-        if self.grad_bucket_mb <= 0:
-            raise ConfigError(f"partition.grad_bucket_mb={self.grad_bucket_mb} must be positive")
+        value_checks.positive("partition.grad_bucket_mb", self.grad_bucket_mb)
 
 
 @dataclass

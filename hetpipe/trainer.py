@@ -36,7 +36,7 @@ from hetpipe.launch.local import launch
 from hetpipe.launch.preemption import PreemptionWatch, write_marker
 from hetpipe.launch.rank_env import rank_env, restart_attempt, under_torchrun
 from hetpipe.launch.restart import resume_setting
-from hetpipe import determinism, memory_fit
+from hetpipe import determinism, host_memory_fit, memory_fit
 from hetpipe.determinism import seed_everything
 from hetpipe.metrics import MetricsLogger, RunShape
 from hetpipe.nonfinite import NonFiniteGuard
@@ -170,6 +170,7 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
         for group in cfg.cluster.groups:
             check_group_vendor(cfg.cluster, group)
         memory_fit.check_local_fit(plan, cfg)  # every local rank's device, before any rank starts
+        host_memory_fit.check_local_host_fit(plan, cfg)  # its CPU ranks together, in the host's memory
     _loader(cfg)
     validation_loader(cfg)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -244,6 +245,9 @@ def _check_memory(cfg: PretrainConfig, plan: Plan, topo: Topology) -> None:
     notes a tight fit."""
     capacity = memory_fit.rank_capacity(cfg, topo.group, topo.device)
     note = memory_fit.check_stage(plan, cfg, topo.pp_rank, topo.rank, capacity)
+    if under_torchrun() and topo.device.type == "cpu" and topo.nodes is not None:  # no launcher checked it
+        node_ranks = topo.nodes.ranks_on(topo.nodes.node_of[topo.rank])
+        host_memory_fit.check_node_host_fit(plan, cfg, topo.rank, node_ranks)
     if note and topo.rank == topo.stage.ranks[0]:
         print(f"hetpipe: note: {note}", flush=True)
 

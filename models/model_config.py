@@ -20,6 +20,7 @@ from typing import Optional
 
 import yaml
 
+import hetpipe.value_checks as value_checks
 from hetpipe.errors import ConfigError
 from hetpipe.models.families import family_spec
 
@@ -92,6 +93,9 @@ class ModelConfig:
                       "num_query_groups", "vocab_size", "max_position_embeddings"):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"model.{field}={getattr(self, field)} must be positive")
+        for field in ("rotary_base", "norm_epsilon"):
+            value_checks.positive(f"model.{field}", getattr(self, field))
+        value_checks.in_range("model.init_method_std", self.init_method_std, 0)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
@@ -105,6 +109,8 @@ class ModelConfig:
         if self.rope_scaling not in (None, "llama3"):
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} is not supported (null or 'llama3')")
         if self.rope_scaling == "llama3":
+            for field in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+                value_checks.finite(f"model.{field}", getattr(self, field))
             if self.rope_scaling_factor < 1:
                 raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be at least 1")
             if self.rope_original_max_position_embeddings <= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import hetpipe.value_checks as value_checks
 from hetpipe.errors import ConfigError
 from hetpipe.models.recompute import RECOMPUTE_MODES
 from hetpipe.partitioner.cost import NetworkConfig
@@ -91,6 +92,7 @@ class PlannerConfig:
             raise ConfigError(f"planner.recompute={self.recompute!r} is not one of {', '.join(PLANNER_RECOMPUTE)}")
         schedules_for(self.schedule, self.recompute)  # raises on an unknown or impossible choice
         for group, gib in (self.memory_gib or {}).items():
+            value_checks.finite(f"planner.memory_gib.{group}", gib)
             if not gib > 0:
                 raise ConfigError(f"planner.memory_gib.{group}={gib} must be a positive number of GiB")
         for name in ("tp", "dp"):

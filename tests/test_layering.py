@@ -1,7 +1,7 @@
 """hetpipe's layers, and the rule that keeps them layers: a module imports only
 its own layer and the layers below it (docs/architecture.md, "Layers").
 
-    ground floor  errors, cluster, torch_compat, known_warnings, devices, the pipeline's vocabulary
+    ground floor  errors, value_checks, cluster, torch_compat, known_warnings, devices, the pipeline's vocabulary
     libraries     parallel (collective primitives), data, comm: the ground floor only
                   models: the ground floor and parallel (its TP plan)
                   partitioner: the ground floor and models (a family's arithmetic)
@@ -27,6 +27,7 @@ LAYER_OF = {
     "hetpipe.cluster": GROUND,
     "hetpipe.torch_compat": GROUND,
     "hetpipe.known_warnings": GROUND,
+    "hetpipe.value_checks": GROUND,
     "hetpipe.devices": GROUND,
     "hetpipe.pipeline": GROUND,  # actions, placements, the schedule registry and orders, the simulator
     "hetpipe.pipeline.engine": RUNTIME,  # runs the vocabulary on models and channels

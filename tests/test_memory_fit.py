@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import secrets
 import subprocess
 import sys
@@ -21,10 +22,14 @@ import time
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import REPO
 from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe import host_memory_fit
+from hetpipe.devices.facts import host_memory_gib
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_MEMORY, ConfigError
+from hetpipe.host_memory_fit import check_local_host_fit, host_ranks
 from hetpipe.memory_fit import Capacity, check_stage, fits, may_not_fit, out_of_memory_line, with_prediction
 from hetpipe.models import model_preset
 from hetpipe.partitioner.plan_memory import predicted_memory_gib
@@ -230,3 +235,73 @@ def test_ranks_started_by_torchrun_refuse_their_stage_together(tmp_path):
     assert all(line.split("] ", 1)[1].startswith("stage 1 (rank 1, group amd) is predicted to need ")
                for line in errors), errors
     assert "Traceback" not in text and not re.search(r"^step +\d+/", text, re.M), text[-3000:]
+
+
+# -- CPU ranks: the host's available memory, all of its ranks together ------------------------
+def tiny_on(cluster: str, preset: str = "tiny_llama", **fields) -> tuple:
+    from hetpipe.pretrain_config import resolve
+    cfg = resolve({"model": model_preset(preset).to_dict(),
+                   "cluster": OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "cluster" / f"{cluster}.yaml")),
+                   **fields})
+    return cfg, with_prediction(resolve_plan(cfg), cfg)
+
+
+@pytest.mark.parametrize("cluster", ["single", "cpu_mixed"])
+@pytest.mark.parametrize("plan", [None, "auto"])
+def test_cpu_ranks_are_checked_together_against_the_hosts_available_memory(monkeypatch, cluster, plan):
+    cfg, planned = tiny_on(cluster, plan=plan)
+    each = planned.notes["predicted_memory_gib"]
+    ranks = host_ranks(planned, cfg)
+    assert [r for _, r in ranks] == list(range(cfg.cluster.world_size))
+    monkeypatch.setattr(host_memory_fit, "host_memory_gib", lambda: (64.0, sum(each) * 1.04))
+    check_local_host_fit(planned, cfg)  # together they fit, with the 3 % margin
+    monkeypatch.setattr(host_memory_fit, "host_memory_gib", lambda: (64.0, sum(each) * 1.01))
+    with pytest.raises(ConfigError) as refused:
+        check_local_host_fit(planned, cfg)
+    line = str(refused.value)
+    who = r"CPU rank of this host \(rank 0\) is" if cluster == "single" else \
+        r"2 CPU ranks of this host \(ranks 0, 1\) are"
+    assert re.match(rf"the {who} "
+                    rf"predicted to need {sum(each):.1f} GiB of host memory \(tiny_llama: .*\) but the host has "
+                    r"[0-9.]+ GiB available of 64\.0 \(/proc/meminfo MemAvailable; ", line), line
+    assert ("train.recompute=full" in line) == (plan is None), line  # a planned plan brings its own
+    assert "train.precision=bf16-pure" in line and "plan=auto" in line, line
+    assert line.endswith("(train.memory_check=false runs it anyway)"), line
+    cfg.train.memory_check = False
+    check_local_host_fit(planned, cfg)
+
+
+@pytest.mark.parametrize("preset", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_the_tiny_presets_are_predicted_at_megabytes_on_the_cpu(preset):
+    # What the demo and the suite run must pass on a loaded machine: the prediction
+    # counts tensors (tens of MB here), not each rank's Python and torch.
+    for cluster in ("single", "cpu_mixed"):
+        cfg, planned = tiny_on(cluster, preset)
+        assert 0 < sum(planned.notes["predicted_memory_gib"]) < 0.1, (cluster, planned.notes)
+
+
+def _limited_memory() -> None:
+    # Should the check ever let the 8B model through, its allocation fails here
+    # instead of taking the machine's memory.
+    resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+
+
+@pytest.mark.parametrize("cluster", [[], ["cluster=cpu_mixed"]], ids=["default", "cpu_mixed"])
+def test_the_8b_preset_on_a_cpu_machine_is_one_line_before_any_rank_allocates(tmp_path, cluster):
+    # Issue 44: on a 24 GiB machine without a GPU this command was killed by the
+    # kernel's OOM killer after 148 s at 23.7 GB.
+    if host_memory_gib()[1] > 150:
+        pytest.skip("this host has the memory for llama8b on its CPU")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hetpipe.pretrain", "+model=llama8b", *cluster,
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          preexec_fn=_limited_memory, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_BAD_INPUT, (proc.returncode, text[-3000:])
+    assert len(error_lines(text)) == 1 and "Traceback" not in text and "hetpipe: llama8b" not in text, text
+    assert re.fullmatch(r"hetpipe: error: the (CPU rank|2 CPU ranks) of this host .* predicted to need "
+                        r"1[23][0-9]\.[0-9] GiB of host memory \(llama8b: .*\) but the host has [0-9.]+ GiB available "
+                        r".*would fit: \+model=tiny_llama .*train\.precision=bf16-pure \([0-9.]+ GiB\).*plan=auto.*",
+                        error_lines(text)[0]), text
+    assert not (tmp_path / "metrics.jsonl").exists()
+    print(f"refused after {time.monotonic() - started:.1f} s")
