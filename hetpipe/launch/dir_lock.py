@@ -173,11 +173,14 @@ def _try(path: Path, label: str, setting: str, break_lock: bool) -> Optional[_He
 
 
 def _join(fd: int, path: Path, locked: Optional[bool], owner: Owner) -> _Held:
-    """This job's own lock (another of its ranks, or an earlier attempt's): held as it is."""
-    if locked is False:  # another rank of the job holds it and will remove it
+    """This job's own lock: another of its ranks holds it (and will remove it), or a rank
+    of an earlier attempt of the job left it, which this process now holds in its place."""
+    if locked is False:
         os.close(fd)
         return _Held(path, None, owner)
-    return _Held(path, fd, owner)
+    me = Owner.me()
+    _write(fd, me)
+    return _Held(path, fd, me)
 
 
 def _judge(owner: Optional[Owner], locked: Optional[bool], path: Path, label: str, setting: str,
