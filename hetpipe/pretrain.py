@@ -35,9 +35,12 @@ def main(cfg: DictConfig) -> None:
 
         if not under_torchrun():  # hetpipe.launch checked this node's torch already
             require_supported_torch()
+        from hetpipe.launch.job_dirs import save_dir_locked
         from hetpipe.trainer import train
 
-        train(resolve(cfg), Path(HydraConfig.get().runtime.output_dir))
+        job, run_dir = resolve(cfg), Path(HydraConfig.get().runtime.output_dir)
+        with save_dir_locked(job.checkpoint, run_dir, job.cluster):  # the run dir's lock: configs/pretrain.yaml
+            train(job, run_dir)
 
     run_cli(_run)
 

@@ -48,6 +48,11 @@ class CheckpointConfig:
     # beside training. false: the step writes and commits the checkpoint
     # before it continues (and needs no host copy of the state).
     async_save: bool = True
+    # Take over the lock of the run or save directory that a job on another
+    # host left (hetpipe/launch/dir_lock.py): hetpipe cannot tell from here
+    # whether that job still runs, so it refuses such a lock unless told to.
+    # A live owner on this host is never overridden.
+    break_lock: bool = False
 
     def __post_init__(self) -> None:
         if self.save_interval < 0:

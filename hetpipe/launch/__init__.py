@@ -29,6 +29,8 @@ command line and a rank's first training step, and after its last.
 * :mod:`~hetpipe.launch.job_secret` - the secret that authenticates the
   job's connections;
 * :mod:`~hetpipe.launch.restart` - what a restarted job resumes from;
+* :mod:`~hetpipe.launch.dir_lock` and :mod:`~hetpipe.launch.job_dirs` - one live
+  job per run and checkpoint directory, locked before anything is written there;
 * :mod:`~hetpipe.launch.preemption` - saving on a scheduler's stop signal;
 * :mod:`~hetpipe.launch.faults` - injected faults, for tests of all of the above.
 
