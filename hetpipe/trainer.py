@@ -30,6 +30,7 @@ from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.evaluate import build_validator, validation_loader
+from hetpipe.export_tokenizer import tokenizer_record
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
 from hetpipe.launch import faults
 from hetpipe.launch.local import launch
@@ -99,10 +100,11 @@ def _warmup_lr(step: int, opt: OptimizerConfig) -> float:
 def _trainer_state(cfg: PretrainConfig, skipped_steps: int) -> dict[str, Any]:
     """What the trainer keeps in a checkpoint's trainer_state.json ("extra"): the warmup
     convention its steps followed, how many steps were skipped (the learning rate counts
-    applied updates only), whether they ran train.deterministic. A checkpoint without the
+    applied updates only), whether they ran train.deterministic, the tokenizer (for the
+    HF export). A checkpoint without the
     convention predates Megatron's: it was written by a run that warmed up one step ahead."""
     return {"lr_warmup_style": cfg.optimizer.lr_warmup_style, "skipped_steps": skipped_steps,
-            "deterministic": cfg.train.deterministic}
+            "deterministic": cfg.train.deterministic, "tokenizer": tokenizer_record(cfg.data.tokenizer)}
 
 
 def _resume_trainer_state(saved: Any, opt: OptimizerConfig, rank: int, guard: NonFiniteGuard) -> None:
