@@ -13,7 +13,8 @@ told which to use; ``config`` goes on with the new values (Megatron's
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
 
 from hetpipe.errors import ConfigError
 
@@ -22,6 +23,8 @@ FIELDS = (("optimizer", "lr"), ("optimizer", "min_lr"), ("optimizer", "lr_warmup
           ("optimizer", "lr_warmup_init"), ("optimizer", "lr_decay_style"), ("optimizer", "lr_decay_iters"),
           ("train", "train_iters"), ("train", "global_batch_size"))
 DECAY_LENGTH = ("optimizer.lr_decay_iters", "train.train_iters")
+# The learning rate of a step: (steps taken, OptimizerConfig, train_iters) -> lr.
+LrAt = Callable[[int, Any, int], float]
 
 
 def schedule_record(cfg: Any) -> dict[str, Any]:
@@ -43,24 +46,37 @@ def _matters(key: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     return not (constant and key == "optimizer.min_lr")
 
 
-def schedule_changes(saved: Mapping[str, Any], cfg: Any) -> list[tuple[str, Any, Any]]:
-    """(setting, checkpoint's value, this run's) for each change that moves the schedule;
-    none for a checkpoint that recorded no schedule (written before the record)."""
+def schedule_changes(saved: Mapping[str, Any], cfg: Any, lr_at: LrAt) -> list[tuple[str, Any, Any]]:
+    """(setting, checkpoint's value, this run's) for each change that moves the schedule:
+    none where the learning rate of every step up to train.train_iters and the global
+    batch stay what they were (a longer run that never leaves its warmup), or for a
+    checkpoint that recorded no schedule (written before the record)."""
     if not isinstance(saved, Mapping) or set(saved) != {f"{g}.{n}" for g, n in FIELDS}:
         return []
     now = schedule_record(cfg)
+    if saved["train.global_batch_size"] == now["train.global_batch_size"] and _same_curve(saved, cfg, lr_at):
+        return []
     return [(key, saved[key], now[key]) for key in now
             if saved[key] != now[key] and _matters(key, saved, now)]
+
+
+def _same_curve(saved: Mapping[str, Any], cfg: Any, lr_at: LrAt) -> bool:
+    """Whether the checkpoint's schedule gives every step of this run the learning rate this run's does."""
+    old = dataclasses.replace(cfg.optimizer, **{k.split(".")[1]: v for k, v in saved.items()
+                                                if k.startswith("optimizer.")})
+    old_iters, iters = saved["train.train_iters"], cfg.train.train_iters
+    return all(lr_at(s, old, old_iters) == lr_at(s, cfg.optimizer, iters) for s in range(iters))
 
 
 def _described(changes: list[tuple[str, Any, Any]]) -> str:
     return ", ".join(f"{key} {old} -> {new}" for key, old, new in changes)
 
 
-def reconcile_schedule(saved: Mapping[str, Any], cfg: Any, rank: int) -> None:
+def reconcile_schedule(saved: Mapping[str, Any], cfg: Any, rank: int, lr_at: LrAt) -> None:
     """Stop, note or undo a change of schedule against the checkpoint's (``saved``),
-    as ``cfg.checkpoint.schedule`` says; ``cfg`` is changed in place for ``checkpoint``."""
-    changes = schedule_changes(saved, cfg)
+    as ``cfg.checkpoint.schedule`` says; ``cfg`` is changed in place for ``checkpoint``.
+    ``lr_at`` is the trainer's learning rate of a step (hetpipe.trainer.lr_at)."""
+    changes = schedule_changes(saved, cfg, lr_at)
     setting = cfg.checkpoint.schedule
     if not changes:
         return

@@ -115,7 +115,7 @@ def _resume_trainer_state(saved: Any, cfg: PretrainConfig, rank: int, guard: Non
     changed schedule stopped, noted or undone (checkpoint.schedule)."""
     guard.total = int(saved.get("skipped_steps", 0))
     _note_warmup_change(saved, cfg.optimizer, rank)
-    reconcile_schedule(saved.get("schedule"), cfg, rank)
+    reconcile_schedule(saved.get("schedule"), cfg, rank, lr_at)
 
 
 def _note_warmup_change(saved: Any, opt: OptimizerConfig, rank: int) -> None:

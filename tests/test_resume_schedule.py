@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from conftest import run_cli, run_pretrain
-from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.pretrain_config import OptimizerConfig, resolve
+from hetpipe.schedule_change import schedule_changes, schedule_record
 from hetpipe.trainer import lr_at
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,3 +69,21 @@ def test_a_changed_schedule_resumes_with_the_values_asked_for(tmp_path, two_step
     # Steps 3 and 4 follow a cosine over 4 steps (config) or stay past the 2-step one at min_lr (checkpoint).
     assert _lrs(run_dir) == {s: pytest.approx(lr_at(s - 1, OPT, decay_iters)) for s in (3, 4)}
     assert lr_at(2, OPT, 4) != pytest.approx(lr_at(2, OPT, 2))
+
+
+def _cfg(train_iters, **optimizer):
+    return resolve({"model": {"name": "m"}, "train": {"train_iters": train_iters},
+                    "optimizer": {"lr_warmup_iters": 1, **optimizer}})
+
+
+@pytest.mark.parametrize("old, new, changes", [
+    (_cfg(4), _cfg(8), [("train.train_iters", 4, 8)]),  # the cosine's end moves
+    (_cfg(4, lr_decay_iters=8), _cfg(8, lr_decay_iters=8), []),  # a longer run on the same curve
+    (_cfg(4, lr_warmup_iters=10), _cfg(8, lr_warmup_iters=10), []),  # every step still in its warmup
+    (_cfg(4, lr_decay_style="constant"), _cfg(8, lr_decay_style="constant", min_lr=0.0), []),
+    (_cfg(4), _cfg(4, lr=1e-3, lr_decay_iters=4), [("optimizer.lr", 3e-4, 1e-3)]),
+    (_cfg(4), _cfg(8, lr_decay_iters=6), [("optimizer.lr_decay_iters", None, 6), ("train.train_iters", 4, 8)]),
+])
+def test_only_a_change_of_the_learning_rate_curve_is_a_change(old, new, changes):
+    assert schedule_changes(schedule_record(old), new, lr_at) == changes
+    assert schedule_changes({"optimizer.lr": 1.0}, new, lr_at) == []  # a record from another release: unchecked
