@@ -156,7 +156,7 @@ def _unknown_flags(argv: Sequence[str]) -> list[tuple[str, Optional[str]]]:
         flag, value = _split(argv[i])
         i += 1
         if not flag.startswith("-") or flag in HYDRA_FLAGS:
-            i += flag in HYDRA_VALUED and value is None
+            i += flag in HYDRA_VALUED and value is None and i < len(argv) and not argv[i].startswith("-")
             continue
         entry = BY_FLAG.get(flag)
         if value is None and entry is not None and entry.valued and i < len(argv) and not argv[i].startswith("-"):

@@ -56,8 +56,8 @@ def schedule_changes(saved: Mapping[str, Any], cfg: Any, lr_at: LrAt) -> list[tu
     now = schedule_record(cfg)
     if saved["train.global_batch_size"] == now["train.global_batch_size"] and _same_curve(saved, cfg, lr_at):
         return []
-    return [(key, saved[key], now[key]) for key in now
-            if saved[key] != now[key] and _matters(key, saved, now)]
+    changed = [(key, saved[key], now[key]) for key in now if saved[key] != now[key]]
+    return [c for c in changed if _matters(c[0], saved, now)] or changed
 
 
 def _same_curve(saved: Mapping[str, Any], cfg: Any, lr_at: LrAt) -> bool:
