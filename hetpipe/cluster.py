@@ -24,6 +24,7 @@ MOVERS = ("auto", "shm", "ipc", "mooncake-tcp", "mooncake-rdma")
 
 @dataclass
 class GroupConfig:
+    # The group's name, as plans, logs and planner.group_order give it.
     name: str = "local"
     # nvidia | amd | cpu: the collective library inside the group follows it;
     # auto takes whatever this process runs on.
@@ -35,7 +36,9 @@ class GroupConfig:
     # hetpipe/devices/facts.py). A declared type is checked against every
     # rank's real device at start-up (see ClusterConfig.allow_device_mismatch).
     device_type: str = "auto"
+    # Nodes the group spans.
     nodes: int = 1
+    # Ranks (one device each) on every one of those nodes.
     ranks_per_node: int = 1
 
     @property
@@ -115,6 +118,7 @@ class TransportConfig:
 
 @dataclass
 class ClusterConfig:
+    # The cluster's name (the preset's; plan run directories carry it).
     name: str = "single"
     # Allow declared vendors that differ from the detected hardware.
     emulate: bool = False

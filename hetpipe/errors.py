@@ -7,6 +7,7 @@ have to read a traceback to learn that a path was wrong.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -82,12 +83,20 @@ def run_hydra_cli(main: Callable[[], None]) -> None:
     """Run a ``@hydra.main`` entry point: a command line hydra cannot compose - an
     unknown key, a value of the wrong type, a config group option that does not
     exist - is one line and exit 2 like any bad input, instead of hydra's
-    multi-line report and exit 1. ``HYDRA_FULL_ERROR=1`` keeps hydra's own report."""
+    multi-line report and exit 1, with the closest name where one was misspelt.
+    Flags hydra does not take (Megatron-LM's and torchtitan's, typos) are answered
+    in one line before hydra parses them (hetpipe.foreign_flags).
+    ``HYDRA_FULL_ERROR=1`` keeps hydra's own report."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return
     from hydra.errors import HydraException
 
+    from hetpipe.foreign_flags import foreign_flags_line
+
+    line = foreign_flags_line(sys.argv[1:])
+    if line is not None:
+        fail(line)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # hydra raises instead of reporting; reported here
     try:
         main()
@@ -100,17 +109,43 @@ def run_hydra_cli(main: Callable[[], None]) -> None:
 
 def hydra_error_line(exc: Exception) -> str:
     """Hydra's report of a composition error in one line: its first line, the
-    OmegaConf error behind it, and a config group's options."""
+    OmegaConf error behind it, and a config group's options; a misspelt key or
+    option gets the closest name, a group added without ``+`` the fix."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     line = lines[0].rstrip(".") if lines else type(exc).__name__
+    if len(lines) > 1 and "No match in the defaults list" in lines[0] and "use +" in lines[1]:
+        fix = lines[1].split("use ", 1)[1]
+        return f"{fix[1:]}: {fix[1:].split('=')[0]} has no default to override; add it with a +: {fix}"
     if exc.__cause__ is not None and str(exc.__cause__).strip():
-        line += ": " + str(exc.__cause__).strip().splitlines()[0]
+        line += ": " + str(exc.__cause__).strip().splitlines()[0] + _key_hint(exc.__cause__, lines[0])
     if any(l.startswith("Available options") for l in lines):
         start = next(i for i, l in enumerate(lines) if l.startswith("Available options")) + 1
         options = [l for l in lines[start:] if not l.startswith(("Config search path", "provider="))]
         options = options[:next((i for i, l in enumerate(options) if ":" in l), len(options))]
-        line += f" (available: {', '.join(options)})"
+        line += _option_hint(lines[0], options) + f" (available: {', '.join(options)})"
     return line
+
+
+def _key_hint(cause: BaseException, first_line: str) -> str:
+    """" (did you mean train.train_iters?)" for a key the schema (a dataclass) lacks."""
+    from hetpipe.suggest import did_you_mean
+
+    key, schema = getattr(cause, "key", None), getattr(cause, "object_type", None)
+    if not isinstance(key, str) or not dataclasses.is_dataclass(schema) or "not in" not in str(cause):
+        return ""
+    typed = first_line.split("'")[1] if first_line.count("'") >= 2 else key
+    prefix = typed[:-len(key)] if typed.endswith(key) else ""
+    return did_you_mean(key, [f.name for f in dataclasses.fields(schema)], prefix + "{}")
+
+
+def _option_hint(first_line: str, options: list[str]) -> str:
+    """" (did you mean +model=llama8b?)" for an option of a group that does not exist."""
+    from hetpipe.suggest import did_you_mean
+
+    wanted = first_line.split("'")[-2] if first_line.count("'") >= 2 else ""
+    group, _, option = wanted.rpartition("/")
+    plus = "+" if group == "model" else ""
+    return did_you_mean(option, options, f"{plus}{group}={{}}") if group else ""
 
 
 def run_cli(fn: Callable[[], T]) -> T:

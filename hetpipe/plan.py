@@ -51,6 +51,7 @@ class ProfilingConfig:
     # 40 came within 1.5 % of scripts/bench_layer.py's figure, over 10 within
     # 3.5 % (the GPU slows as the load goes on; docs/benchmarks.md).
     repeats: int = 40
+    # Untimed microbatches before the timed repeats.
     warmup: int = 3
     # ... and the warm-up microbatches repeat for at least this long (GPUs
     # only): LLaMA-3-8B's layer timed after a 0.3 s burst came out 7 % faster

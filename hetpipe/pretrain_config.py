@@ -15,6 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from hetpipe.checkpoint.settings import CheckpointConfig
 from hetpipe.cluster import ClusterConfig
+from hetpipe.config_help import register_help_resolver
 from hetpipe.data.sources import parse_data_path
 from hetpipe.data.split import parse_split
 from hetpipe.errors import ConfigError, config_error_from
@@ -192,6 +193,7 @@ class OptimizerConfig:
     lr: float = 3e-4
     # Floor of the decay.
     min_lr: float = 3e-5
+    # Steps of linear warmup from lr_warmup_init to lr.
     lr_warmup_iters: int = 10
     # Learning rate of the first warmup step (Megatron's --lr-warmup-init):
     # warmup climbs linearly from it to `lr` over lr_warmup_iters steps.
@@ -213,8 +215,11 @@ class OptimizerConfig:
     # Decays every parameter with two or more dims - the linear layers' weights and the
     # embedding (the head too when untied) - as Megatron does; norms and biases are not decayed.
     weight_decay: float = 0.1
+    # AdamW's decay of its first moment (the gradient's running mean).
     adam_beta1: float = 0.9
+    # AdamW's decay of its second moment (the squared gradient's running mean).
     adam_beta2: float = 0.95
+    # AdamW's epsilon, added to the denominator.
     adam_eps: float = 1e-8
     # Global gradient-norm clipping threshold; 0 disables.
     clip_grad: float = 1.0
@@ -296,6 +301,7 @@ class DataConfig:
 class LoggingConfig:
     # Mirror metrics to a wandb run (needs the wandb package).
     wandb: bool = False
+    # The wandb project the run is filed under.
     wandb_project: str = "hetpipe"
     # offline: the run is written under the run directory (`wandb sync` uploads
     # it later). The default because training nodes often cannot reach wandb's
@@ -352,6 +358,7 @@ class PartitionConfig:
     # cluster's group order (tp_per_group=[2,1]: TP2 on the first group, TP1
     # on the second). A group's pipeline stages = its ranks / (TP x DP).
     tp: int = 1
+    # One TP degree per group, in the cluster's group order (see tp); None: tp for every group.
     tp_per_group: Optional[List[int]] = None
     # Data-parallel degree: the same for every stage (each stage is replicated
     # dp times inside its vendor group).
@@ -411,6 +418,7 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="pretrain_schema", node=PretrainConfig)
+    register_help_resolver()
     if not OmegaConf.has_resolver("hetpipe.model_name"):
         # Names run directories; tolerates a config without a model so that
         # hydra can still report that problem cleanly.

@@ -30,6 +30,7 @@ from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
 from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.evaluate import build_validator, validation_loader
+from hetpipe.export_tokenizer import tokenizer_record
 from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
 from hetpipe.launch import faults
 from hetpipe.launch.local import launch
@@ -41,6 +42,7 @@ from hetpipe.determinism import seed_everything
 from hetpipe.metrics import MetricsLogger, RunShape
 from hetpipe.nonfinite import NonFiniteGuard
 from hetpipe.sample_log import SampleLog
+from hetpipe.schedule_change import reconcile_schedule, schedule_record
 from hetpipe.token_loss import TokenWeights, step_weights
 from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
@@ -99,17 +101,21 @@ def _warmup_lr(step: int, opt: OptimizerConfig) -> float:
 def _trainer_state(cfg: PretrainConfig, skipped_steps: int) -> dict[str, Any]:
     """What the trainer keeps in a checkpoint's trainer_state.json ("extra"): the warmup
     convention its steps followed, how many steps were skipped (the learning rate counts
-    applied updates only), whether they ran train.deterministic. A checkpoint without the
+    applied updates only), whether they ran train.deterministic, the tokenizer (for the
+    HF export), the learning-rate schedule (checked on resume). A checkpoint without the
     convention predates Megatron's: it was written by a run that warmed up one step ahead."""
     return {"lr_warmup_style": cfg.optimizer.lr_warmup_style, "skipped_steps": skipped_steps,
-            "deterministic": cfg.train.deterministic}
+            "deterministic": cfg.train.deterministic, "tokenizer": tokenizer_record(cfg.data.tokenizer),
+            "schedule": schedule_record(cfg)}
 
 
-def _resume_trainer_state(saved: Any, opt: OptimizerConfig, rank: int, guard: NonFiniteGuard) -> None:
+def _resume_trainer_state(saved: Any, cfg: PretrainConfig, rank: int, guard: NonFiniteGuard) -> None:
     """The trainer's own state from a checkpoint: the skipped steps (none recorded
-    before they were kept), and a line where the warmup convention changed."""
+    before they were kept), a line where the warmup convention changed, and a
+    changed schedule stopped, noted or undone (checkpoint.schedule)."""
     guard.total = int(saved.get("skipped_steps", 0))
-    _note_warmup_change(saved, opt, rank)
+    _note_warmup_change(saved, cfg.optimizer, rank)
+    reconcile_schedule(saved.get("schedule"), cfg, rank, lr_at)
 
 
 def _note_warmup_change(saved: Any, opt: OptimizerConfig, rank: int) -> None:
@@ -293,7 +299,7 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     guard = NonFiniteGuard(cfg.train.max_skipped_steps)
     start = restore(resume_setting(cfg.checkpoint, run_dir, r.saver.node), run_dir, r.chunks, r.optimizer,
                     r.loader, topo.rank, topo.world_size, cfg.model, shard=shard_fn(r.chunks), node=r.saver.node,
-                    on_resume=lambda saved: _resume_trainer_state(saved, cfg.optimizer, topo.rank, guard))
+                    on_resume=lambda saved: _resume_trainer_state(saved, cfg, topo.rank, guard))
     logger = _open_metrics(r, start) if topo.rank == 0 else None
     losses = []
     preemption = PreemptionWatch(cfg.train.preemption_signals)

@@ -32,15 +32,19 @@ class ModelConfig:
     # A key of hetpipe.models.families.FAMILIES: "llama" (LLaMA-2/3 layout),
     # "qwen2" (adds q/k/v biases) or "qwen3" (QK-norm, no biases).
     family: str = "llama"
+    # Decoder layers.
     num_layers: int = 2
+    # Width of the residual stream.
     hidden_size: int = 64
     # SwiGLU intermediate size (the size of one of the two gate/up halves).
     ffn_hidden_size: int = 172
+    # Query heads per layer.
     num_attention_heads: int = 4
     # Key/value heads (grouped-query attention); equal to heads means MHA.
     num_query_groups: int = 4
     # Per-head size; None means hidden_size // num_attention_heads.
     kv_channels: Optional[int] = None
+    # Rows of the embedding and the head; every id of the tokenizer must be below it.
     vocab_size: int = 512
     # Longest sequence the model is built for; seq_length may not exceed it.
     max_position_embeddings: int = 256
@@ -62,10 +66,12 @@ class ModelConfig:
     # alone, and the band between is interpolated smoothly (HF's
     # low_freq_factor and high_freq_factor).
     rope_low_freq_factor: float = 1.0
+    # The band's other end: see rope_low_freq_factor (HF's high_freq_factor).
     rope_high_freq_factor: float = 4.0
     # The context the model was pretrained at before scaling (HF's
     # original_max_position_embeddings).
     rope_original_max_position_embeddings: int = 8192
+    # RMSNorm's epsilon (HF's rms_norm_eps).
     norm_epsilon: float = 1e-5
     # Biases on the q/k/v projections (Qwen2; refused where the family has none).
     add_qkv_bias: bool = False

@@ -154,3 +154,32 @@ def corpus_prefix(tmp_path_factory, corpus_text) -> str:
                     "--text-sample-by", "paragraph", "--output-prefix", str(out / "prose")])
     assert proc.returncode == 0, proc.stderr
     return str(out / "prose_text_document")
+
+
+EOS = "<|endoftext|>"
+
+
+def corpus_lines(corpus: Path, count: int) -> list[str]:
+    """The first ``count`` non-empty lines of the test corpus (``corpus_text``)."""
+    return [line for line in corpus.read_text().splitlines() if line][:count]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory, corpus_text) -> tuple[Path, object]:
+    """A tiny byte-level BPE trained here, saved as a transformers tokenizer directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(corpus_lines(corpus_text, 400), trainer)
+    directory = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS).save_pretrained(directory)
+    return directory, backend

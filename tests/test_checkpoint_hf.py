@@ -63,7 +63,10 @@ def test_export_cli_loads_in_transformers_with_our_logits_and_generates(tmp_path
     proc = run_cli(["-m", "hetpipe.export", str(tmp_path / "ckpt"), str(out)], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "exported" in proc.stdout and "iter_0000002" in proc.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # save_checkpoint's trainer state records no tokenizer: the export says so in a note.
+    assert "does not record its tokenizer" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["TOKENIZER_NOTE.txt", "config.json", "generation_config.json",
+                                                     "model.safetensors"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
     with torch.no_grad():
@@ -80,7 +83,7 @@ def test_export_cli_loads_in_transformers_with_our_logits_and_generates(tmp_path
 
 def test_export_tied_qwen2_in_bfloat16(tmp_path):
     chunks = _trained_pipeline_checkpoint(tmp_path / "ckpt", QWEN2)
-    out = export_hf(tmp_path / "ckpt" / "iter_0000002", tmp_path / "hf", dtype="bfloat16")
+    out, _ = export_hf(tmp_path / "ckpt" / "iter_0000002", tmp_path / "hf", dtype="bfloat16")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
     assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.config.tie_word_embeddings
     assert torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
@@ -89,7 +92,7 @@ def test_export_tied_qwen2_in_bfloat16(tmp_path):
 
 def test_export_qwen3_loads_in_transformers_with_our_logits(tmp_path):
     chunks = _trained_pipeline_checkpoint(tmp_path / "ckpt", QWEN3)
-    out = export_hf(tmp_path / "ckpt" / "iter_0000002", tmp_path / "hf")
+    out, _ = export_hf(tmp_path / "ckpt" / "iter_0000002", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.head_dim == 48
     # Two AdamW steps moved QK-norm's weights off 1, so they are really carried.
@@ -189,7 +192,7 @@ def test_hf_round_trip_with_nonzero_biases_carries_every_tensor(tmp_path):
         for rank in (1, 0):
             save_checkpoint(CheckpointConfig(save_dir=str(tmp_path / name / "ckpt")), "run", 1, [chunks[rank]],
                             optimizers[rank], {"consumed_samples": 0}, rank, 2, cfg, barrier=lambda: None)
-        out = export_hf(tmp_path / name / "ckpt", tmp_path / name / "exported")
+        out, _ = export_hf(tmp_path / name / "ckpt", tmp_path / name / "exported")
         back, info = transformers.AutoModelForCausalLM.from_pretrained(
             out, attn_implementation="eager", output_loading_info=True)
         assert not any(info.values()), info  # no missing, unexpected or mismatched key

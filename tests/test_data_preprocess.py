@@ -17,8 +17,9 @@ from hetpipe.data.indexed import IndexedDataset
 from hetpipe.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from hetpipe.errors import DataError
 
+from conftest import EOS, corpus_lines
+
 REPO = Path(__file__).resolve().parents[1]
-EOS = "<|endoftext|>"
 
 DOCS = ["First Citizen:\nBefore we proceed any further, hear me speak.", "", "héllo wörld ✓", "x"]
 
@@ -42,32 +43,6 @@ def stream(prefix: str) -> list[int]:
 
 def byte_stream(docs: list[str]) -> list[int]:
     return [t for d in docs if d for t in list(d.encode("utf-8")) + [256]]
-
-
-def corpus_lines(corpus: Path, count: int) -> list[str]:
-    """The first ``count`` non-empty lines of the test corpus (conftest's ``corpus_text``)."""
-    return [line for line in corpus.read_text().splitlines() if line][:count]
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer_dir(tmp_path_factory, corpus_text) -> tuple[Path, object]:
-    """A tiny byte-level BPE trained here, saved as a transformers tokenizer directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[EOS],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(corpus_lines(corpus_text, 400), trainer)
-    directory = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS).save_pretrained(directory)
-    return directory, backend
 
 
 def test_byte_tokenizer_round_trip():

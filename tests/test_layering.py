@@ -28,6 +28,8 @@ LAYER_OF = {
     "hetpipe.torch_compat": GROUND,
     "hetpipe.known_warnings": GROUND,
     "hetpipe.value_checks": GROUND,
+    "hetpipe.suggest": GROUND,  # "did you mean", for errors.py's one-line hydra errors
+    "hetpipe.foreign_flags": GROUND,  # Megatron-LM's and torchtitan's flags, answered by errors.py
     "hetpipe.devices": GROUND,
     "hetpipe.pipeline": GROUND,  # actions, placements, the schedule registry and orders, the simulator
     "hetpipe.pipeline.engine": RUNTIME,  # runs the vocabulary on models and channels

@@ -363,7 +363,7 @@ def test_a_zero_learning_rate_is_a_run_that_updates_nothing():
      "hetpipe: error: bad command line: Error merging override train.seq_length=abc: Value 'abc' of type 'str' "
      "could not be converted to Integer"),
     (["+model=llama9b"], "hetpipe: error: bad command line: In 'pretrain': Could not find 'model/llama9b' "
-                         "(available: llama31_8b, llama8b, qwen2_7b, qwen3_8b, tiny_llama, tiny_qwen2, tiny_qwen3)"),
+                         "(did you mean +model=llama8b?) (available: llama31_8b, llama8b, qwen2_7b, qwen3_8b, tiny_llama, tiny_qwen2, tiny_qwen3)"),
 ])
 def test_a_command_line_hydra_cannot_compose_is_one_line_and_exit_2(args, line):
     proc = run_cli(["-m", "hetpipe.pretrain", *args, "--cfg", "job"], timeout=60)

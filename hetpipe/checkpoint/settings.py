@@ -13,6 +13,9 @@ from typing import Optional
 
 from hetpipe.errors import ConfigError
 
+# What a resume does with a changed learning-rate schedule (hetpipe/schedule_change.py).
+SCHEDULE_SETTINGS = ("check", "config", "checkpoint")
+
 
 @dataclass
 class CheckpointConfig:
@@ -53,8 +56,17 @@ class CheckpointConfig:
     # whether that job still runs, so it refuses such a lock unless told to.
     # A live owner on this host is never overridden.
     break_lock: bool = False
+    # A resume whose learning-rate schedule (optimizer.lr, min_lr, warmup, decay,
+    # train.train_iters where it sets the decay's length, train.global_batch_size)
+    # differs from the checkpoint's: check stops in one line naming old and new
+    # values (Megatron asserts likewise), config resumes with the new values
+    # (Megatron's --override-opt_param-scheduler), checkpoint with the
+    # checkpoint's (--use-checkpoint-opt_param-scheduler). hetpipe/schedule_change.py.
+    schedule: str = "check"
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULE_SETTINGS:
+            raise ConfigError(f"checkpoint.schedule={self.schedule!r} must be one of {', '.join(SCHEDULE_SETTINGS)}")
         if self.save_interval < 0:
             raise ConfigError(f"checkpoint.save_interval={self.save_interval} must be >= 0 (0 never saves)")
         if self.keep_last < 0:

@@ -39,6 +39,11 @@ class ByteTokenizer:
         """:meth:`encode` for each text."""
         return [self.encode(text) for text in texts]
 
+    def special_ids(self) -> dict[str, int | None]:
+        """The ids a Hugging Face config names: no beginning-of-text token, the
+        end of document as end and padding."""
+        return {"bos_token_id": None, "eos_token_id": self.eod, "pad_token_id": self.eod}
+
     def decode(self, ids: npt.ArrayLike) -> str:
         """Text of ``ids``; EOD ids are dropped and invalid UTF-8 is replaced."""
         ids = np.asarray(ids).reshape(-1)
@@ -88,6 +93,17 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         """All ids the tokenizer can emit, added tokens included."""
         return len(self._tokenizer)
+
+    def special_ids(self) -> dict[str, int | None]:
+        """The ids a Hugging Face config names; padding falls back to the end of
+        document where the tokenizer has no pad token (generate() needs one)."""
+        tok = self._tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else self.eod
+        return {"bos_token_id": tok.bos_token_id, "eos_token_id": self.eod, "pad_token_id": pad}
+
+    def save_pretrained(self, out: Path) -> None:
+        """Write the tokenizer's files into ``out`` (AutoTokenizer loads them)."""
+        self._tokenizer.save_pretrained(str(out))
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids (int32) of ``text``, without special tokens."""
