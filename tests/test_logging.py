@@ -5,6 +5,7 @@ wandb must mirror exactly its values, and a validation row must reach every
 sink without changing the training rows that readers select by ``loss``.
 """
 import math
+import re
 import sys
 import types
 
@@ -70,8 +71,13 @@ def test_each_row_times_its_own_step_and_the_console_line_its_interval(tmp_path,
     assert [r["tflops_per_device"] for r in rows] == pytest.approx([2.0, 2 / 3, 1.0, 1.0])
     assert [r["mfu"] for r in rows] == pytest.approx([0.5, 1 / 6, 0.25, 0.25])
     # The console line of steps 1-2 gives their average: 2 s a step.
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step      2/4"))
-    assert line.endswith("| 32 tok/s | 1.000 TFLOP/s/device | MFU 25.0%"), line
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if " step      2/4 " in x)
+    # Off a terminal (this capture, Slurm, pretrain.log): a timestamp first, elapsed time and ETA last.
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step      2/4 \| loss 1\.0000 \| lr 1\.000e-03 \| "
+                        r"grad norm 1\.000 \| 32 tok/s \| 1\.000 TFLOP/s/device \| MFU 25\.0% \| "
+                        r"elapsed 0:00:04, ETA 0:00:04", line), line
+    assert next(x for x in lines if " step      4/4 " in x).endswith("| elapsed 0:00:08, ETA 0:00:00")
 
     # A CPU (no peak): neither TFLOP/s nor MFU, in the rows or the line.
     cpu = RunShape(total_steps=2, tokens_per_step=64, flops_per_step=4e12, num_devices=1, peak_tflops=None,
@@ -82,7 +88,7 @@ def test_each_row_times_its_own_step_and_the_console_line_its_interval(tmp_path,
         log.record(step, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 8 * step)
     log.close()
     assert not any("tflops_per_device" in r or "mfu" in r for r in read_metrics(tmp_path / "cpu"))
-    assert capsys.readouterr().out.rstrip().endswith("| 64 tok/s")
+    assert capsys.readouterr().out.rstrip().endswith("| 64 tok/s | elapsed 0:00:02, ETA 0:00:00")
 
 
 @pytest.mark.timeout(60)
