@@ -102,6 +102,7 @@ class MetricsLogger:
         self._last_time = time.perf_counter()  # start of the interval (after a synchronisation)
         self._step_end = self._last_time  # when the previous step's values were queued
         self._started = self._last_time  # the console line's elapsed time and ETA count from here
+        self._last_row: Optional[dict[str, Any]] = None  # the last console line's row, for the summary
         self.console = Console(highlight=False)
         self._bar = None
         if self.logging.progress and self.console.is_terminal:
@@ -258,6 +259,18 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(self._task, completed=row["step"], loss=f"loss {row['loss']:.4f}")
         self._print(line)
+        self._last_row = row
+
+    def summary(self) -> None:
+        """The run's last line, once its steps are over: how far, how long, the final loss, the
+        average throughput."""
+        row = self._last_row
+        if row is None:
+            return
+        elapsed = time.perf_counter() - self._started
+        tokens = self.shape.tokens_per_step * (row["step"] - self.start_step)
+        self._print(f"hetpipe: done: step {row['step']}/{self.shape.total_steps} in {_duration(elapsed)}, final loss "
+                    f"{row['loss']:.4f}, {tokens / max(elapsed, 1e-9):,.0f} tok/s on average, run dir {self.run_dir}")
 
     def _clock(self, step: int) -> str:
         """``elapsed 0:12:03, ETA 2:10:11``: this run's time so far, and the steps left at its

@@ -187,3 +187,39 @@ def test_tensorboard_without_the_package_names_the_extra(tmp_path):
     assert proc.stderr == ("hetpipe: error: logging.tensorboard=true needs the tensorboard package: "
                            "pip install 'hetpipe[tensorboard]'\n")
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+# Two ranks across the emulated vendor line: rank 0's lines reach the console through the launcher.
+CONSOLE_RUN = ["-m", "hetpipe.pretrain", *TINY_RUN, "cluster=cpu_mixed", "model.hidden_size=64",
+               "model.ffn_hidden_size=160", "train.log_interval=1"]
+
+
+@pytest.mark.timeout(240)
+def test_the_run_directory_keeps_the_console_of_the_launcher_and_its_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*CONSOLE_RUN, f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (run_dir / "pretrain.log").read_text()
+    lines = log.splitlines()
+    # Everything the user saw, in the order each stream printed it.
+    assert [x for x in lines if x in proc.stdout.splitlines()] == proc.stdout.splitlines()
+    assert all(x in lines for x in proc.stderr.splitlines())
+    assert any(x.startswith("hetpipe: devices: ") for x in lines)  # printed by rank 0, a rank process
+    steps = [x for x in lines if " step      " in x]
+    assert len(steps) == 3 and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step ", x) for x in steps), steps
+    assert all(re.search(r"\| [\d,]+ tok/s \| elapsed \d+:\d\d:\d\d, ETA \d+:\d\d:\d\d$", x) for x in steps), steps
+    assert re.fullmatch(rf"hetpipe: done: step 3/3 in \d+:\d\d:\d\d, final loss \d\.\d{{4}}, [\d,]+ tok/s on average, "
+                        rf"run dir {re.escape(str(run_dir))}", lines[-1]), lines[-1]
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_s_traceback_is_kept_in_pretrain_log(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*CONSOLE_RUN, f"hydra.run.dir={run_dir}"], env={"HETPIPE_FAULT": "raise@step:rank=1:step=2"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback (most recent call last):" in proc.stderr
+    log = (run_dir / "pretrain.log").read_text()
+    assert "Traceback (most recent call last):" in log
+    assert "RuntimeError: injected fault at step of step 2 on rank 1" in log
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("hetpipe: error:")]
+    assert errors and all(x in log.splitlines() for x in errors), proc.stderr

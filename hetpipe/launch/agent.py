@@ -74,6 +74,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from hetpipe import console_log
 from hetpipe.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, HetpipeError, error_line,
                             fail)
 from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
@@ -464,6 +465,7 @@ def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
+    console_log.drain()  # the job's last lines written (pretrain.log) before the prompt comes back
     os._exit(status)
 
 
