@@ -154,8 +154,7 @@ def test_a_stop_signal_the_ranks_do_not_take_for_preemption_ends_them_at_once(tm
 # keeps of the stopped rank (hetpipe/launch/frozen_ranks.py): it stops the job naming
 # it at once and lingers 1 s after its line; the launcher then kills the stopped rank.
 # Before, the peer blamed its own timeout after waiting 2 s plus half the deadline for
-# a better cause, and the job ended deadline + 8 s after the freeze (torch's agent
-# alone: 30 s more).
+# a better cause, and the job ended past deadline + 5 s (torch's agent alone: 30 s more).
 HANG_DEADLINE_S = 10
 
 

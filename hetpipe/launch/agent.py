@@ -455,8 +455,8 @@ def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
     threads may be inside C++ calls then, and one such exit aborted the launcher after
     every rank had saved ("terminate called without an active exception", status -6;
     once in a fresh-clone suite run); after a frozen rank's line the shutdown alone took
-    4-7 s on the loaded 2-core machine, past the deadline + 5 s a failed job ends within
-    (README, "When a node, NIC or link fails")."""
+    seconds on a loaded machine, past the deadline + 5 s a failed job ends within
+    (README, "When a node, NIC or link fails"; tests/test_launcher_restart.py)."""
     for agent in agents:
         agent.close()
         if agent.forked:  # what the local launcher's atexit hooks would do: its directory, its fork server
