@@ -129,6 +129,12 @@ class ClusterConfig:
     # two H100s planned 126.9 GiB per device and died of OOM at step 2. A GPU
     # type on a CPU is refused either way (it cannot run). hetpipe/devices/facts.py.
     allow_device_mismatch: bool = False
+    # Run the ranks of GPU groups (vendor nvidia or amd, device_type auto) on the
+    # CPU when no GPU is visible: a deliberate CPU run of a GPU config. Off, such
+    # a cluster stops at start-up with one line instead of falling back to the
+    # CPU unnoticed (hetpipe/devices/facts.py:check_devices; the doctor says it
+    # as a blocker). cpu_* clusters need no flag: their groups declare CPU.
+    allow_cpu: bool = False
     groups: List[GroupConfig] = field(default_factory=lambda: [GroupConfig()])
     transport: TransportConfig = field(default_factory=TransportConfig)
 

@@ -17,7 +17,10 @@ from the previous step's values being queued to this step's (see
 :meth:`MetricsLogger.record` for what that means on a GPU), and
 ``tokens_per_s``, ``tflops_per_device`` and ``mfu`` follow from it. The
 console line gives the interval's average instead (its wall time, measured
-after a synchronisation, divided by its steps, as Megatron reports it).
+after a synchronisation, divided by its steps, as Megatron reports it),
+after its timestamp, and ends with the run's elapsed time and ETA: a log
+read off a terminal (Slurm, nohup, the run directory's ``pretrain.log``)
+has no progress bar to tell them.
 TFLOP/s per device uses Megatron's model-FLOPs formula
 (``hetpipe.models.flops``); MFU divides it by the device's dense peak. MFU is
 left out where no peak is known (an unlisted GPU), and both are left out on a
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -97,6 +101,8 @@ class MetricsLogger:
         self._pending: list[_Pending] = []
         self._last_time = time.perf_counter()  # start of the interval (after a synchronisation)
         self._step_end = self._last_time  # when the previous step's values were queued
+        self._started = self._last_time  # the console line's elapsed time and ETA count from here
+        self._last_row: Optional[dict[str, Any]] = None  # the last console line's row, for the summary
         self.console = Console(highlight=False)
         self._bar = None
         if self.logging.progress and self.console.is_terminal:
@@ -246,12 +252,33 @@ class MetricsLogger:
         flops = self._flops_fields(step_time)
         tflops = f" | {flops['tflops_per_device']:.3f} TFLOP/s/device" if "tflops_per_device" in flops else ""
         mfu = f" | MFU {100 * flops['mfu']:.1f}%" if "mfu" in flops else ""
-        line = (f"step {row['step']:>6}/{self.shape.total_steps} | loss {row['loss']:.4f} | "
+        line = (f"{_now()} step {row['step']:>6}/{self.shape.total_steps} | loss {row['loss']:.4f} | "
                 f"lr {row['lr']:.3e} | grad norm {row['grad_norm']:.3f} | "
-                f"{self.shape.tokens_per_step / step_time:,.0f} tok/s{tflops}{mfu}{suffix}")
+                f"{self.shape.tokens_per_step / step_time:,.0f} tok/s{tflops}{mfu} | "
+                f"{self._clock(row['step'])}{suffix}")
         if self._bar is not None:
             self._bar.update(self._task, completed=row["step"], loss=f"loss {row['loss']:.4f}")
         self._print(line)
+        self._last_row = row
+
+    def summary(self) -> None:
+        """The run's last line, once its steps are over: how far, how long, the final loss, the
+        average throughput."""
+        row = self._last_row
+        if row is None:
+            return
+        elapsed = time.perf_counter() - self._started
+        tokens = self.shape.tokens_per_step * (row["step"] - self.start_step)
+        self._print(f"hetpipe: done: step {row['step']}/{self.shape.total_steps} in {_duration(elapsed)}, final loss "
+                    f"{row['loss']:.4f}, {tokens / max(elapsed, 1e-9):,.0f} tok/s on average, run dir {self.run_dir}")
+
+    def _clock(self, step: int) -> str:
+        """``elapsed 0:12:03, ETA 2:10:11``: this run's time so far, and the steps left at its
+        average pace (a log read off a terminal - Slurm, nohup, pretrain.log - has no bar to tell)."""
+        elapsed = time.perf_counter() - self._started
+        done = max(step - self.start_step, 1)
+        left = elapsed / done * (self.shape.total_steps - step)
+        return f"elapsed {_duration(elapsed)}, ETA {_duration(left)}"
 
     def close(self) -> None:
         self._pending.clear()
@@ -268,6 +295,16 @@ class MetricsLogger:
             self._tensorboard = None
         if not self._file.closed:
             self._file.close()
+
+
+def _now() -> str:
+    """The console line's timestamp: ``2026-11-28 15:48:49``, local time."""
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _duration(seconds: float) -> str:
+    """``2:10:11``; ``1 day, 2:10:11`` past a day."""
+    return str(timedelta(seconds=round(seconds)))
 
 
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:

@@ -5,7 +5,9 @@ none: ``checkpoint.load_hf=DIR`` alone takes the model from DIR's
 config.json) and any overrides, checks them against the structured schemas in ``hetpipe.pretrain_config``,
 and hands the result to the trainer. ``--cfg job`` prints the composed config
 without building anything; ``-m`` sweeps (hydra multirun). Problems with the
-input end in one ``hetpipe: error:`` line and exit status 2.
+input end in one ``hetpipe: error:`` line and exit status 2. The console - the
+launcher's and every local rank's output, tracebacks included - is kept in the
+run directory's ``pretrain.log`` (hetpipe.console_log).
 """
 from __future__ import annotations
 
@@ -13,8 +15,12 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # before torch loads here: the ranks' server imports it meanwhile
-    from hetpipe.launch.local import prestart
+    from hetpipe.launch.local import prestart, prints_only
 
+    if not prints_only(sys.argv[1:]):
+        from hetpipe import console_log
+
+        console_log.start()  # before the server starts: the ranks print through it (pretrain.log)
     prestart(sys.argv[1:])
 
 import hydra
@@ -29,6 +35,11 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="pkg://hetpipe.configs", config_name="pretrain")
 def main(cfg: DictConfig) -> None:
+    from hetpipe import console_log
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    console_log.keep_in(run_dir / "pretrain.log")  # what the user sees, from here (and what was held)
+
     def _run() -> None:
         from hetpipe.torch_compat import require_supported_torch  # torch loads only for a real run
         from hetpipe.launch.rank_env import under_torchrun
@@ -38,7 +49,7 @@ def main(cfg: DictConfig) -> None:
         from hetpipe.launch.job_dirs import save_dir_locked
         from hetpipe.trainer import train
 
-        job, run_dir = resolve(cfg), Path(HydraConfig.get().runtime.output_dir)
+        job = resolve(cfg)
         with save_dir_locked(job.checkpoint, run_dir, job.cluster):  # the run dir's lock: configs/pretrain.yaml
             train(job, run_dir)
 

@@ -311,7 +311,9 @@ class LoggingConfig:
     # Write training and validation scalars to <run dir>/tensorboard/ (needs
     # the tensorboard package).
     tensorboard: bool = False
-    # Show a rich progress bar on a terminal.
+    # Show a rich progress bar where the rank's output is a terminal (a torchrun
+    # rank's; the local launcher's ranks print through pretrain.log's tee,
+    # hetpipe/console_log.py, and their lines carry the elapsed time and ETA).
     progress: bool = True
     # Each log line names the slowest rank's busy time per step (time not
     # spent waiting on pipeline neighbours) against its stage's median, so

@@ -313,6 +313,8 @@ def _train_loop(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
             if _save_if_due(r, logger, step, result.stopping, guard.total):
                 _stop_for_preemption(preemption, step, topo.rank, r.saver.wait(), logger)  # committed first
                 break
+        if logger is not None:
+            logger.summary()
     except torch.OutOfMemoryError as exc:  # the job's cause is posted before the cleanup below
         raise memory_fit.out_of_memory(exc, topo, progress, plan, cfg) from None
     finally:

@@ -130,6 +130,33 @@ def test_the_launcher_checks_before_starting_any_rank():
     check_local_devices(_cluster("CPU", "CPU"))
 
 
+def test_a_gpu_group_that_finds_no_gpu_stops_unless_the_cpu_is_asked_for():
+    with pytest.raises(ConfigError) as caught:
+        check_devices(_cluster("CPU", "auto"), {0: CPU, 1: CPU})
+    assert str(caught.value) == (
+        f"cluster 't' group 'amd' runs on amd GPUs but rank 1 finds none (torch {torch.__version__} sees no GPU): "
+        "run it where the GPUs are, or set cluster.allow_cpu=true to run it on the CPU on purpose "
+        "(cluster=cpu_mixed is the emulated CPU cluster)")
+    asked = _cluster("auto", "auto")
+    asked.allow_cpu = True
+    assert check_devices(asked, {0: CPU, 1: CPU}) == []
+    assert check_devices(_cluster("auto", "auto"), {0: H100, 1: H100}) == []
+    # A group of vendor auto (cluster=single) takes whatever it finds, the CPU too.
+    assert check_devices(ClusterConfig(groups=[GroupConfig(name="local")]), {0: CPU}) == []
+
+
+@no_gpu
+def test_a_gpu_cluster_without_gpus_is_one_line_and_exit_2_before_any_rank(tmp_path):
+    proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", "cluster=gpu2_mixed", "train.train_iters=1",
+                    f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"hetpipe: error: cluster 'gpu2_mixed' group 'nvidia' runs on nvidia GPUs but rank 0 finds none (torch "
+        f"{torch.__version__} sees no GPU): run it where the GPUs are, or set cluster.allow_cpu=true to run it on "
+        "the CPU on purpose (cluster=cpu_mixed is the emulated CPU cluster)"]
+    assert not (tmp_path / "metrics.jsonl").exists() and "hetpipe: devices:" not in proc.stdout
+
+
 @no_gpu
 def test_a_gpu_type_on_a_cpu_cluster_is_one_line_and_exit_2(tmp_path):
     proc = run_cli(["-m", "hetpipe.pretrain", "+model=tiny_llama", "cluster=cpu_mixed",
@@ -147,7 +174,7 @@ def test_ranks_say_their_devices_and_stop_together_on_a_plan_for_other_devices(t
     made for H200 stops every rank with the same line (the launcher cannot see a plan's
     notes before it starts the ranks) and exit 2."""
     common = ["-m", "hetpipe.pretrain", "+model=tiny_llama", "cluster=cpu_mixed", "train.train_iters=1",
-              "cluster.groups.0.device_type=auto", "cluster.groups.1.device_type=auto"]
+              "cluster.groups.0.device_type=auto", "cluster.groups.1.device_type=auto", "cluster.allow_cpu=true"]
     ran = run_cli([*common, f"hydra.run.dir={tmp_path / 'ok'}"], timeout=180)
     assert ran.returncode == 0, ran.stderr
     lines = [line for line in ran.stdout.splitlines() if line.startswith("hetpipe: devices: ")]

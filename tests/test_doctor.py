@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from conftest import run_cli
@@ -64,13 +65,31 @@ def test_what_this_node_lacks_is_one_blocker_line_each_and_exit_1(tmp_path):
                    f"data.tokenizer={tmp_path / 'no_tokenizer'}"], tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "corpus.idx: sha256 " in proc.stdout and "(whole file, 5 bytes)" in proc.stdout
-    assert blockers(proc.stdout) == [
+    assert blockers(proc.stdout)[:3] == [
         "node 0: cluster.transport.addresses gives 0.0.0.0, a wildcard address that peers cannot dial: select NICs "
         "with cluster.transport.interfaces=[NAME,...] or cluster.transport.subnets=[CIDR,...]",
         f"node 0: data file {tmp_path / 'corpus.bin'} is missing: put the same corpus on every node (data.path)",
         f"node 0: tokenizer directory {tmp_path / 'no_tokenizer'} is missing: put the same tokenizer on every node "
         "(data.tokenizer)"]
-    assert proc.stdout.rstrip().endswith("hetpipe doctor: 3 blockers")
+    no_gpu = [] if torch.cuda.is_available() else [
+        f"node 0: cluster 'h200_mi325x_2node' group '{name}' runs on {kind} GPUs but this node has none (torch "
+        f"{torch.__version__} sees no GPU): run it where the GPUs are, or set cluster.groups.{i}.device_type=auto "
+        "and cluster.allow_cpu=true to run it on the CPU (cluster=cpu_mixed is the emulated CPU cluster)"
+        for i, (name, kind) in enumerate([("nvidia", "H200"), ("amd", "MI325X")])]
+    assert blockers(proc.stdout)[3:] == no_gpu
+    assert proc.stdout.rstrip().endswith(f"hetpipe doctor: {3 + len(no_gpu)} blockers")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_cluster_on_a_node_without_gpus_is_a_blocker_not_ok(tmp_path):
+    proc = doctor(["cluster=gpu2_mixed", "+model=tiny_llama"], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [line.split(" runs on ")[0] for line in blockers(proc.stdout)] == [
+        "node 0: cluster 'gpu2_mixed' group 'nvidia'", "node 0: cluster 'gpu2_mixed' group 'amd'"]
+    assert "but this node has none" in proc.stdout and "cluster.allow_cpu=true" in proc.stdout
+    assert "ok: a job can start" not in proc.stdout
+    asked = doctor(["cluster=gpu2_mixed", "+model=tiny_llama", "cluster.allow_cpu=true"], tmp_path)
+    assert asked.returncode == 0 and asked.stdout.rstrip().endswith("ok: a job can start"), asked.stdout
 
 
 def test_a_bad_command_line_is_the_usual_one_line_error_and_exit_2(tmp_path):

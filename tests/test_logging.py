@@ -5,6 +5,7 @@ wandb must mirror exactly its values, and a validation row must reach every
 sink without changing the training rows that readers select by ``loss``.
 """
 import math
+import re
 import sys
 import types
 
@@ -70,8 +71,13 @@ def test_each_row_times_its_own_step_and_the_console_line_its_interval(tmp_path,
     assert [r["tflops_per_device"] for r in rows] == pytest.approx([2.0, 2 / 3, 1.0, 1.0])
     assert [r["mfu"] for r in rows] == pytest.approx([0.5, 1 / 6, 0.25, 0.25])
     # The console line of steps 1-2 gives their average: 2 s a step.
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step      2/4"))
-    assert line.endswith("| 32 tok/s | 1.000 TFLOP/s/device | MFU 25.0%"), line
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if " step      2/4 " in x)
+    # Off a terminal (this capture, Slurm, pretrain.log): a timestamp first, elapsed time and ETA last.
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step      2/4 \| loss 1\.0000 \| lr 1\.000e-03 \| "
+                        r"grad norm 1\.000 \| 32 tok/s \| 1\.000 TFLOP/s/device \| MFU 25\.0% \| "
+                        r"elapsed 0:00:04, ETA 0:00:04", line), line
+    assert next(x for x in lines if " step      4/4 " in x).endswith("| elapsed 0:00:08, ETA 0:00:00")
 
     # A CPU (no peak): neither TFLOP/s nor MFU, in the rows or the line.
     cpu = RunShape(total_steps=2, tokens_per_step=64, flops_per_step=4e12, num_devices=1, peak_tflops=None,
@@ -82,7 +88,7 @@ def test_each_row_times_its_own_step_and_the_console_line_its_interval(tmp_path,
         log.record(step, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 8 * step)
     log.close()
     assert not any("tflops_per_device" in r or "mfu" in r for r in read_metrics(tmp_path / "cpu"))
-    assert capsys.readouterr().out.rstrip().endswith("| 64 tok/s")
+    assert capsys.readouterr().out.rstrip().endswith("| 64 tok/s | elapsed 0:00:02, ETA 0:00:00")
 
 
 @pytest.mark.timeout(60)
@@ -181,3 +187,39 @@ def test_tensorboard_without_the_package_names_the_extra(tmp_path):
     assert proc.stderr == ("hetpipe: error: logging.tensorboard=true needs the tensorboard package: "
                            "pip install 'hetpipe[tensorboard]'\n")
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+# Two ranks across the emulated vendor line: rank 0's lines reach the console through the launcher.
+CONSOLE_RUN = ["-m", "hetpipe.pretrain", *TINY_RUN, "cluster=cpu_mixed", "model.hidden_size=64",
+               "model.ffn_hidden_size=160", "train.log_interval=1"]
+
+
+@pytest.mark.timeout(240)
+def test_the_run_directory_keeps_the_console_of_the_launcher_and_its_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*CONSOLE_RUN, f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (run_dir / "pretrain.log").read_text()
+    lines = log.splitlines()
+    # Everything the user saw, in the order each stream printed it.
+    assert [x for x in lines if x in proc.stdout.splitlines()] == proc.stdout.splitlines()
+    assert all(x in lines for x in proc.stderr.splitlines())
+    assert any(x.startswith("hetpipe: devices: ") for x in lines)  # printed by rank 0, a rank process
+    steps = [x for x in lines if " step      " in x]
+    assert len(steps) == 3 and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step ", x) for x in steps), steps
+    assert all(re.search(r"\| [\d,]+ tok/s \| elapsed \d+:\d\d:\d\d, ETA \d+:\d\d:\d\d$", x) for x in steps), steps
+    assert re.fullmatch(rf"hetpipe: done: step 3/3 in \d+:\d\d:\d\d, final loss \d\.\d{{4}}, [\d,]+ tok/s on average, "
+                        rf"run dir {re.escape(str(run_dir))}", lines[-1]), lines[-1]
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_s_traceback_is_kept_in_pretrain_log(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*CONSOLE_RUN, f"hydra.run.dir={run_dir}"], env={"HETPIPE_FAULT": "raise@step:rank=1:step=2"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback (most recent call last):" in proc.stderr
+    log = (run_dir / "pretrain.log").read_text()
+    assert "Traceback (most recent call last):" in log
+    assert "RuntimeError: injected fault at step of step 2 on rank 1" in log
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("hetpipe: error:")]
+    assert errors and all(x in log.splitlines() for x in errors), proc.stderr

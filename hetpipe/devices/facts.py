@@ -10,7 +10,9 @@ type its group was planned for (:func:`check_devices`), and a launcher that
 starts the ranks on its own machine checks before starting any
 (:func:`check_local_devices`). A mismatch is one line naming both, exit 2,
 unless ``cluster.allow_device_mismatch`` asks to plan for the declared type on
-purpose. ``device_type: auto`` resolves through the same detection
+purpose. An nvidia or amd group of ``device_type: auto`` whose rank finds no GPU
+stops the same way (it would otherwise train on the CPU unnoticed) unless
+``cluster.allow_cpu`` asks for a CPU run of that GPU config. ``device_type: auto`` resolves through the same detection
 (:func:`local_device_type`), in the planner and in the ranks alike.
 """
 from __future__ import annotations
@@ -138,9 +140,13 @@ def check_devices(cluster: ClusterConfig, devices: Mapping[int, DeviceFacts],
 
     ``devices`` maps ranks to their facts (ranks without facts are not checked).
     With ``cluster.allow_device_mismatch`` a mismatch between GPUs is a warning
-    instead, one per group (returned); a GPU type on a CPU never runs."""
+    instead, one per group (returned); a GPU type on a CPU never runs, nor an ``auto`` GPU
+    group without ``cluster.allow_cpu`` (:func:`needs_gpu`)."""
     warnings = []
     for index, group in enumerate(cluster.groups):
+        rank = _first_cpu_rank(cluster, index, devices)
+        if rank is not None:
+            raise ConfigError(no_gpu_line(cluster, index, f"rank {rank} finds none"))
         expected, source = planned_type(group, plan)
         rank = _first_mismatch(cluster.group_ranks(index), expected, devices)
         if rank is None:
@@ -150,6 +156,31 @@ def check_devices(cluster: ClusterConfig, devices: Mapping[int, DeviceFacts],
             raise ConfigError(line + _remedy(index, group, expected, source, devices[rank]))
         warnings.append(f"{line}: going on for {expected}, as cluster.allow_device_mismatch=true asks")
     return warnings
+
+
+def needs_gpu(cluster: ClusterConfig, group: GroupConfig) -> bool:
+    """Whether ``group`` must find GPUs to run: an nvidia or amd group of ``device_type: auto``
+    unless ``cluster.allow_cpu`` lets it run on the CPU. A declared GPU type (H200) on a CPU is
+    the type check's to refuse (:func:`_first_mismatch`), with or without the flag."""
+    return group.device_type == "auto" and group.vendor in ("nvidia", "amd") and not cluster.allow_cpu
+
+
+def no_gpu_line(cluster: ClusterConfig, index: int, finds: str) -> str:
+    """The one line for GPU group ``index`` where ``finds`` ("rank 0 finds none") says no GPU was seen."""
+    group = cluster.groups[index]
+    kind = f"{group.vendor} GPUs" if group.device_type == "auto" else f"{group.device_type} GPUs"
+    on_purpose = "set cluster.allow_cpu=true to run it on the CPU on purpose" if group.device_type == "auto" \
+        else f"set cluster.groups.{index}.device_type=auto and cluster.allow_cpu=true to run it on the CPU"
+    return (f"cluster {cluster.name!r} group {group.name!r} runs on {kind} but {finds} (torch "
+            f"{torch.__version__} sees no GPU): run it where the GPUs are, or {on_purpose} "
+            "(cluster=cpu_mixed is the emulated CPU cluster)")
+
+
+def _first_cpu_rank(cluster: ClusterConfig, index: int, devices: Mapping[int, DeviceFacts]) -> Optional[int]:
+    """The first rank of group ``index`` that runs on the CPU although the group needs a GPU."""
+    if not needs_gpu(cluster, cluster.groups[index]):
+        return None
+    return next((r for r in cluster.group_ranks(index) if r in devices and devices[r].vendor == "cpu"), None)
 
 
 def _first_mismatch(ranks: list[int], expected: Optional[str], devices: Mapping[int, DeviceFacts]

@@ -35,6 +35,7 @@ from hetpipe.cluster import ClusterConfig
 from hetpipe.comm.nics import Nic, list_interfaces, resolve_local_nics, selection_setting
 from hetpipe.comm.nics import network_identity as nics_network_identity
 from hetpipe.data.indexed import data_file_path, index_file_path
+from hetpipe.devices.facts import needs_gpu, no_gpu_line
 from hetpipe.doctor.config import DoctorConfig
 from hetpipe.errors import ConfigError
 
@@ -198,6 +199,14 @@ def node_labels(cluster: ClusterConfig, nodes: int) -> dict[int, str]:
     return dict(enumerate(names)) if len(names) == nodes else {}
 
 
+def gpu_blockers(cluster: ClusterConfig, label: str | None) -> list[str]:
+    """On a node without a GPU, each group it may run that needs GPUs: the job would stop at
+    start-up (hetpipe/devices/facts.py:check_devices). ``label`` is the node's group where
+    the job's layout tells it; without one (a node checked alone) every group counts."""
+    return [no_gpu_line(cluster, i, "this node has none") for i, g in enumerate(cluster.groups)
+            if label in (None, g.name) and (needs_gpu(cluster, g) or g.device_type.upper() not in ("AUTO", "CPU"))]
+
+
 def fact_sheet(cfg: DoctorConfig, raw: DictConfig, node: int, nodes: int) -> tuple[dict[str, Any], list[Nic]]:
     """This node's facts as JSON-ready data, and the NICs the config selects here
     (none when that failed: the reason is among the sheet's blockers)."""
@@ -219,8 +228,11 @@ def fact_sheet(cfg: DoctorConfig, raw: DictConfig, node: int, nodes: int) -> tup
     blockers += [f"tokenizer directory {m} is missing: put the same tokenizer on every node (data.tokenizer)"
                  for m in tokenizer["missing"]]
     facts = torch_facts()
+    label = node_labels(cfg.cluster, nodes).get(node)
+    if not facts["gpus"]:
+        blockers += gpu_blockers(cfg.cluster, label)
     sheet = {
-        "node": node, "nodes": nodes, "label": node_labels(cfg.cluster, nodes).get(node),
+        "node": node, "nodes": nodes, "label": label,
         "host": os.environ.get("HETPIPE_DOCTOR_FAKE_HOST") or socket.gethostname(),
         "network": network_identity(), "hetpipe": hetpipe.__version__, "python": platform.python_version(),
         **facts, "interfaces": [asdict(i) for i in interfaces], "selection": selection_setting(transport),

@@ -20,6 +20,10 @@ launcher's stores listen on the job's addresses only). What the subclass adds:
   instead of the connection it lost (those wait ``job_watch._GRACE_S`` for a
   better cause), and prints it itself. A rank that exited 1, 2, 3 or 4 printed
   its own line; the launcher adds none and exits with that status.
+* **A frozen rank is named.** While a rank is stopped (SIGSTOP, a debugger) the
+  watch keeps a note of it in the job's store; a neighbour whose wait times out
+  reads it and stops the job with "rank 1 (pid ...) stopped responding"
+  (:mod:`hetpipe.launch.frozen_ranks`) instead of its own timeout.
 * **A rank that hangs** while its attempt fails - stopped, or deaf to
   SIGTERM - is SIGKILLed (a stopped one at once, another after
   :data:`_HANG_GRACE_S`) instead of after torch's 30 s
@@ -50,6 +54,7 @@ launcher's stores listen on the job's addresses only). What the subclass adds:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -69,16 +74,19 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from hetpipe import console_log
 from hetpipe.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, HetpipeError, error_line,
                             fail)
 from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
 from hetpipe.launch.fd_limit import ensure_fd_limit, launcher_need
+from hetpipe.launch.frozen_ranks import FrozenNotes
 from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
 from hetpipe.launch.rank_env import ATTEMPT_ENV
 from hetpipe.launch.store_bind import BoundStores
-from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, rendezvous_round
+from hetpipe.launch.verdicts import job_seal
+from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, fork_server_pid, rendezvous_round
 
 T = TypeVar("T")
 
@@ -92,6 +100,9 @@ _FORWARDED = {getattr(signal, name) for name in HANDLED_SIGNALS.split(",")}
 # SIGKILLs: the verdict was in the store 5 ms after the kill (median; 10 ms at
 # most), far inside the 2 s its neighbours wait for one (job_watch._GRACE_S).
 _POLL_S = 0.02
+# Every this many polls (a quarter of a second, as ranks poll the store) the
+# watch reads its ranks' states for a stopped one (hetpipe.launch.frozen_ranks).
+_FROZEN_EVERY = 12
 # A worker that died of a signal the launcher also handles may have got it
 # together with the launcher (Slurm signals every process of a step, a
 # terminal's Ctrl-C the whole process group): that is a stop, not a crash,
@@ -256,6 +267,7 @@ class _WorkerWatch(threading.Thread):
         self._oom = {pid: OomCounters(pid) for pid in ranks}
         self._stopped = threading.Event()
         self._store: Optional[dist.Store] = None
+        self._frozen: Optional[FrozenNotes] = None
         self._alive_at = time.time()  # every worker not seen ended since was alive then
         self._handled = False
         self.verdict: Optional[Cause] = None  # the first failure's, when it was handled here
@@ -277,8 +289,12 @@ class _WorkerWatch(threading.Thread):
 
     def run(self) -> None:
         self._connect()
+        polls = 0
         while True:
             swept_at = time.time()
+            polls += 1
+            if polls % _FROZEN_EVERY == 0:
+                self._note_frozen()
             ended = [e for e in (ending_of(pid, rank) for pid, rank in self._ranks.items()) if e is not None]
             failed = sorted((e for e in ended if e.failed), key=lambda e: e.signal in _FORWARDED)
             if failed:
@@ -290,6 +306,16 @@ class _WorkerWatch(threading.Thread):
             self._alive_at = swept_at
             if self._stopped.wait(_POLL_S):
                 return
+
+    def _note_frozen(self) -> None:
+        """Keep the store's notes of stopped ranks current; a store that fails ends the notes
+        (the deaths it would post are said here anyway)."""
+        if self._frozen is None:
+            return
+        try:
+            self._frozen.sweep()
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody would read them
+            self._frozen = None
 
     def _handle(self, first: Ending) -> None:
         self._handled = True
@@ -333,6 +359,7 @@ class _WorkerWatch(threading.Thread):
             client = dist.TCPStore(self._address[0], self._address[1], is_master=False,
                                    timeout=timedelta(seconds=_STORE_TIMEOUT_S))
             self._store = dist.PrefixStore(namespace(self._attempt), client)
+            self._frozen = FrozenNotes(self._store, job_seal(self._attempt), self._ranks, self._agent.node)
         except Exception:  # noqa: BLE001 - the causes are printed here, not posted
             self._store = None
 
@@ -404,7 +431,10 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
     except HetpipeError as exc:  # bad input met before any rank started (the open-file limit)
         fail(str(exc), exc.exit_status)
     except ChildFailedError as exc:
-        agents[-1].report_failure(exc)
+        try:
+            agents[-1].report_failure(exc)
+        except SystemExit as stop:
+            _leave(agents, int(stop.code or 0))
     except SignalException as exc:
         if not agents:
             error_line(f"{node}stopped by {exc.sigval.name} before the ranks started")
@@ -420,19 +450,32 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
 
 
 def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
-    """End a launcher stopped by a signal now, its ranks gone and its lines written,
-    without the interpreter's shutdown: torch's store and rendezvous threads may be
-    inside C++ calls then, and one such exit aborted the launcher after every rank
-    had saved ("terminate called without an active exception", status -6; once in
-    a fresh-clone suite run)."""
+    """End a launcher stopped by a signal, or whose job failed, now, its ranks gone and
+    its lines written, without the interpreter's shutdown: torch's store and rendezvous
+    threads may be inside C++ calls then, and one such exit aborted the launcher after
+    every rank had saved ("terminate called without an active exception", status -6;
+    once in a fresh-clone suite run); after a frozen rank's line the shutdown alone took
+    seconds on a loaded machine, past the deadline + 5 s a failed job ends within
+    (README, "When a node, NIC or link fails"; tests/test_launcher_restart.py)."""
     for agent in agents:
         agent.close()
-        if agent.forked:  # the local launcher's directory, which its atexit hook would remove
+        if agent.forked:  # what the local launcher's atexit hooks would do: its directory, its fork server
             shutil.rmtree(agent.launch_dir, ignore_errors=True)
+            _kill_fork_server()
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
+    console_log.drain()  # the job's last lines written (pretrain.log) before the prompt comes back
     os._exit(status)
+
+
+def _kill_fork_server() -> None:
+    """SIGKILL the server the local launcher's ranks fork from: it holds this process's
+    stdout and stderr, and a reader of them waited 0.7-1.1 s more for it to leave by itself."""
+    pid = fork_server_pid()
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def quiet_torch_launcher() -> None:

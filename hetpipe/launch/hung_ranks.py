@@ -28,9 +28,9 @@ from typing import Callable, Sequence
 
 # /proc/PID/stat's states of a process that cannot act on SIGTERM until someone
 # continues it: stopped by a signal, or by a tracer.
-_STOPPED = ("T", "t")
+STOPPED_STATES = ("T", "t")
 # Exited (a zombie until its parent reaps it) or gone.
-_GONE = ("Z", "X", "x")
+GONE_STATES = ("Z", "X", "x")
 # Asking whether the attempt is failing costs a store request: four a second,
 # as every rank's own watch asks (job_watch._POLL_S).
 _ENDING_POLL_S = 0.25
@@ -61,12 +61,12 @@ class HungRanks(threading.Thread):
         while self._running() and not self._closed.is_set():
             late = time.monotonic() >= until
             for pid in self._running():
-                if (late or process_state(pid) in _STOPPED) and _kill(pid):
+                if (late or process_state(pid) in STOPPED_STATES) and _kill(pid):
                     self.killed.add(pid)
             time.sleep(_KILL_POLL_S)
 
     def _running(self) -> list[int]:
-        return [pid for pid in self._pids if pid not in self.killed and process_state(pid) not in _GONE]
+        return [pid for pid in self._pids if pid not in self.killed and process_state(pid) not in GONE_STATES]
 
 
 def process_state(pid: int, proc: Path = Path("/proc")) -> str:

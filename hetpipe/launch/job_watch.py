@@ -34,6 +34,10 @@ the launchers read as "this rank already said why":
   signal, posts "rank 1 (pid ...) was killed by SIGKILL", see
   :mod:`hetpipe.launch.agent`); only a whole node gone leaves nobody to say
   more, and then the connection is the cause;
+* a rank whose wait on a peer failed first reads its launchers' notes of
+  stopped ranks (:mod:`hetpipe.launch.frozen_ranks`): a frozen rank is the
+  cause, named at once ("rank 1 (pid ...) stopped responding"), without the
+  wait for a better one;
 * every rank lingers ``_LINGER_S`` after printing, so that its node's other
   ranks read the cause before their launcher stops them (torchrun stops a
   node's ranks as soon as one exits).
@@ -88,6 +92,7 @@ from hetpipe.comm.nics import Nic, list_interfaces
 from hetpipe.comm.tcp_links import LinkStalled, stall_after
 from hetpipe.comm.threaded import PeerLost
 from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER, HetpipeError, error_line
+from hetpipe.launch.frozen_ranks import Frozen, frozen_in
 from hetpipe.launch.nodes import NodeMap, NodeMissing
 from hetpipe.launch.store_calls import BoundedClient, Request
 from hetpipe.launch.verdicts import (ABORT_KEY, Verdict, first_on_node, job_seal, namespace, post_in, post_verdict,
@@ -226,6 +231,22 @@ class JobWatch:
             if verdict is not None or time.monotonic() >= until:
                 return verdict
             time.sleep(0.1)
+
+    def frozen(self) -> Optional[Frozen]:
+        """The rank a launcher noted stopped (SIGSTOP, a debugger), if any (None too when the store
+        does not answer)."""
+        if self.nodes is None:
+            return None
+        try:
+            return self._calls.call(lambda client: frozen_in(client, self.seal, len(self.nodes.node_of)))
+        except Exception:  # noqa: BLE001
+            return None
+
+    def stop_if_frozen(self) -> None:
+        """Stop the job naming a stopped rank, the cause of any wait on it that timed out."""
+        frozen = self.frozen()
+        if frozen is not None:
+            self.stop_job(frozen.line(), EXIT_LOST_PEER)
 
     def explain(self, exc: BaseException) -> str:
         """One line for ``exc``, naming the node a lost peer or a stalled link leads to."""
@@ -435,12 +456,16 @@ def stop_rank(exc: BaseException) -> NoReturn:
             _exit(rank, str(exc), code, linger=False)  # no job yet: no peer to wait for
         traceback.print_exception(exc)
         _exit(rank, _bug(rank, exc), EXIT_CRASH, linger=False)
+    waited_on_peer = _is_secondary(exc) or _is_comm_failure(exc) or isinstance(exc, LinkStalled)
+    if waited_on_peer:
+        watch.stop_if_frozen()  # a stopped rank is the cause, and says nothing itself
     if isinstance(exc, HetpipeError) and not _is_secondary(exc):
         watch.stop_job(watch.explain(exc), _status_of(exc))
-    if _is_secondary(exc) or _is_comm_failure(exc):
+    if waited_on_peer:
         verdict = watch.wait_for_verdict(grace_for(exc, watch.deadline))
         if verdict is not None:
             _exit(rank, verdict.reason, verdict.code)
+        watch.stop_if_frozen()  # stopped while this rank waited
         watch.stop_job(watch.explain(exc))  # nobody said more: this is the cause (EXIT_LOST_PEER)
     traceback.print_exception(exc)
     watch.stop_job(_bug(rank, exc), EXIT_CRASH)

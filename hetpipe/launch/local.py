@@ -174,7 +174,7 @@ def prestart(argv: Sequence[str]) -> None:
     process being a torchrun rank) stops it again; argv that only prints
     (--help, --cfg) or leaves the job on the one-rank default cluster does not
     start it."""
-    if under_torchrun() or any(a.split("=")[0] in _PRINT_ONLY for a in argv) or _one_rank_default(argv):
+    if under_torchrun() or prints_only(argv) or _one_rank_default(argv):
         return
     try:
         provide_local_secret(os.environ)  # the ranks inherit the server's environment
@@ -184,6 +184,11 @@ def prestart(argv: Sequence[str]) -> None:
         return  # too low for any local launch: launch() says so, or runs a one-rank job without a server
     _gloo_on_loopback(os.environ)
     _start_fork_server()
+
+
+def prints_only(argv: Sequence[str]) -> bool:
+    """Whether the command line only prints (--help, --cfg...): no job, no run directory."""
+    return any(a.split("=")[0] in _PRINT_ONLY for a in argv)
 
 
 def _gloo_on_loopback(env: MutableMapping[str, str]) -> None:
