@@ -36,6 +36,9 @@ class GroupConfig:
     device_type: str = "auto"
     nodes: int = 1
     ranks_per_node: int = 1
+    # This group's train.precision (models/precision.py); None takes
+    # train.precision. E.g. bf16 for an A100 group of a job that trains fp8.
+    precision: Optional[str] = None
 
     @property
     def size(self) -> int:
