@@ -29,6 +29,7 @@ shard; the TP collectives sit outside the linears, models/tp_modules.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 import torch
@@ -43,12 +44,27 @@ _DTYPES = {"e4m3fn": (torch.float8_e4m3fn, torch.float8_e5m2),
 _ALIGNMENT = 16
 
 
+# Loggers whose import-time warnings say nothing to a float8 training user: torchao's
+# "Failed to load ..._C_mxfp8/_C_cutlass_90a" (optional MX and CUTLASS kernels
+# for other recipes, absent from CPU and some GPU builds; Float8Linear's GEMM is
+# torch._scaled_mm) and torch's deprecation of register_constant on Enums,
+# which torchao 0.18 still calls.
+_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def _torchao_float8():
     """torchao.float8, imported only when fp8 is chosen."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
     except ImportError:
         raise ConfigError("train.precision=fp8 needs torchao: pip install 'hetpipe[fp8]'") from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
     return float8
 
 
@@ -104,3 +120,11 @@ def compiles_layers(compile_setting: bool, fp8: bool, device_type: str) -> bool:
     (torchao's scaling and casts are separate slow kernels unless compiled; CPU
     ranks emulating FP8 run them eager)."""
     return compile_setting or (fp8 and device_type != "cpu")
+
+
+def torchao_fp8_format() -> str:
+    """The FP8 format torchao itself picks for this process (fnuz on MI300-class GPUs),
+    for callers that run torchao's own way (the benchmarks' pipelining peer)."""
+    _torchao_float8()
+    from torchao.float8.config import e4m3_dtype
+    return "e4m3fnuz" if e4m3_dtype == torch.float8_e4m3fnuz else "e4m3fn"

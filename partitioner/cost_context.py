@@ -28,7 +28,7 @@ import numpy as np
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
-from hetpipe.group_precision import group_precision
+from hetpipe.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
@@ -134,6 +134,9 @@ class CostContext:
         self.precisions = [cost.Precision.for_device(s, group_precision(train.precision, g.precision),
                                                      train.fuse_elementwise, train.compile, fusion)
                            for s, g in zip(self.specs, self.groups)]
+        for i, (g, prec) in enumerate(zip(self.groups, self.precisions)):
+            if prec.fp8:  # a group on a device without FP8 is refused as the trainer refuses it
+                fp8_format(train.precision, g.precision, i, g.name, self.device_types[i], self.catalog)
         self.starts = [sum(g.size for g in self.groups[:i]) for i in range(len(self.groups))]
         self.net = planner.network
         self.num_units = model.num_units
