@@ -71,7 +71,9 @@ backward has the weight-gradient GEMM accumulate straight into the fp32
 ``.grad`` (``torch.addmm(..., out_dtype=float32)`` on CUDA, bf16 inputs with an
 fp32 accumulator and output), and then runs the parameter's
 post-accumulate-grad hooks itself, as autograd would have (the DP reducer
-counts on them). Biases, norms, the embedding and the head keep the cast path.
+counts on them). Biases, norms, the embedding and the head keep the cast path,
+and so do fp8's float8 linears (their backward's FP8 GEMMs return a bf16
+weight gradient; :mod:`hetpipe.models.fp8`).
 Compiled layers (``train.compile``) keep the cast path too: the fused
 backward's side effects are not something to trace. In ``bf16-pure`` the same
 function runs on the bf16 parameter itself (:func:`fuse_linear_grads`): its
