@@ -247,6 +247,12 @@ def _convert_to_fp8(chunk, recipe: str, fp8: str, topo: Topology, note: bool) ->
               f"{', '.join(skipped[:4])}{', ...' if len(skipped) > 4 else ''}", flush=True)
 
 
+def _fp8_format(train_precision: str, topo: Topology) -> str:
+    """The FP8 pair this rank's device computes in (its catalog entry's), or the one-line refusal."""
+    kind = device_facts(topo.device, topo.catalog, free=False).device_type
+    return fp8_format(train_precision, topo.group.precision, topo.group_index, topo.group.name, kind, topo.catalog)
+
+
 def _recv_ahead(cfg: PretrainConfig, topo: Topology) -> int:
     """partition.recv_ahead, or its automatic value (see PartitionConfig)."""
     if cfg.partition.recv_ahead is not None:
@@ -339,11 +345,8 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     """Process groups, channels, this rank's chunks, the engine, the optimizer and the saver."""
     t = cfg.train
     device = topo.device
-    asked = group_precision(t.precision, topo.group.precision)
-    precision = resolve_precision(asked, device.type)
-    fp8 = fp8_format(t.precision, topo.group.precision, topo.group_index, topo.group.name,
-                     device_facts(device, topo.catalog, free=False).device_type, topo.catalog) \
-        if precision == "fp8" else None
+    precision = resolve_precision(group_precision(t.precision, topo.group.precision), device.type)
+    fp8 = _fp8_format(t.precision, topo) if precision == "fp8" else None
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
     _check_memory(cfg, plan, topo)

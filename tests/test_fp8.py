@@ -140,3 +140,17 @@ def test_fp8_and_bf16_groups_train_together_and_checkpoints_resume_in_either_mod
                        f"checkpoint.resume={tmp_path / 'ckpt_fp8' / 'iter_0000004'}")
     assert "resumed from" in out
     assert back[6] == pytest.approx(bf16[6], rel=0.03)
+
+
+def test_fp8_under_tp_converts_the_shards_and_tracks_the_unsharded_run(tmp_path, corpus_prefix):
+    """TP2's ranks scale their own shards (the TP collectives sit outside the linears), which
+    is correct but not TP1's arithmetic: the losses agree to FP8 rounding, not bit for bit."""
+    runs = {}
+    for tp in (1, 2):
+        proc, rows = run_pretrain(tmp_path / f"tp{tp}", [*COMMON, f"data.path={corpus_prefix}", CPU_FP8,
+                                                         "cluster=cpu_homogeneous", f"partition.tp={tp}",
+                                                         f"partition.dp={2 // tp}", "train.precision=fp8",
+                                                         "model.num_layers=2", "train.train_iters=4"])
+        assert f"TP{tp} x DP{2 // tp}" in proc.stdout and ", fp8," in proc.stdout
+        runs[tp] = [r["loss"] for r in rows]
+    assert runs[2] == pytest.approx(runs[1], rel=2e-3)
