@@ -60,7 +60,7 @@ from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.fp8 import compiles_layers, convert_to_fp8
 from hetpipe.models.precision import (WORKING_COPY_MODES, Bf16Weights, activation_dtype, cast_parameters,
                                       fuse_linear_grads, resolve_precision)
-from hetpipe.group_precision import check_local_fp8, fp8_format, group_precision
+from hetpipe.devices.group_precision import check_local_fp8, fp8_format, group_precision
 from hetpipe.memory_peak import memory_snapshot_step
 from hetpipe.profiling import profile_step
 from hetpipe.pipeline.registry import schedule_spec

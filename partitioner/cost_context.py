@@ -28,7 +28,7 @@ import numpy as np
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
-from hetpipe.group_precision import fp8_format, group_precision
+from hetpipe.devices.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.

@@ -16,7 +16,7 @@ import torch
 from conftest import run_cli, run_pretrain
 from hetpipe.devices.catalog import CATALOG, FP8_FORMATS
 from hetpipe.errors import ConfigError
-from hetpipe.group_precision import fp8_format
+from hetpipe.devices.group_precision import fp8_format
 from hetpipe.models import build_model
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.precision import Bf16Weights, activation_dtype
