@@ -40,6 +40,9 @@ class GroupConfig:
     nodes: int = 1
     # Ranks (one device each) on every one of those nodes.
     ranks_per_node: int = 1
+    # This group's train.precision (models/precision.py); None takes
+    # train.precision. E.g. bf16 for an A100 group of a job that trains fp8.
+    precision: Optional[str] = None
 
     @property
     def size(self) -> int:

@@ -131,8 +131,8 @@ def run_profile(cfg: PlanConfig) -> None:
     p = cfg.profiling
     name, entry = measure_units(cfg.model, cfg.train.seq_length, cfg.train.micro_batch_size,
                                 cfg.train.precision, repeats=p.repeats, warmup=p.warmup, seed=cfg.train.seed,
-                                warmup_s=p.warmup_s,
-                                fuse_elementwise=cfg.train.fuse_elementwise)
+                                warmup_s=p.warmup_s, fuse_elementwise=cfg.train.fuse_elementwise,
+                                fp8_recipe=cfg.train.fp8_recipe)
     # Filed under the key every rank's roll call and plan=auto detect (hetpipe/devices/facts.py).
     device_type = p.device_type or local_device_type(catalog_with(dict(cfg.planner.catalog or {})))[0]
     if not device_type:

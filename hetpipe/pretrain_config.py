@@ -23,6 +23,7 @@ from hetpipe.models.model_config import ModelConfig, preset_names
 from hetpipe.models.layers import sdpa_preference
 from hetpipe.models.recompute import check_recompute
 from hetpipe.partitioner.planner_config import PlannerConfig
+from hetpipe.models.fp8 import FP8_RECIPES
 from hetpipe.models.precision import PRECISIONS
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
 import hetpipe.value_checks as value_checks
@@ -47,9 +48,13 @@ class TrainConfig:
     # Seeds weights (per model unit) and the data order.
     seed: int = 1234
     # bf16 (bf16 working copies of fp32 main weights, Megatron's --bf16),
+    # fp8 (bf16 with the decoder layers' linears in FP8, torchao),
     # bf16-autocast (fp32 weights under torch.autocast), fp32, or auto: bf16
-    # on GPUs, fp32 on CPUs. See models/precision.py.
+    # on GPUs, fp32 on CPUs. A group may override it (cluster.groups[i].precision).
+    # See models/precision.py.
     precision: str = "auto"
+    # fp8's scaling: tensorwise (one scale per tensor) or rowwise (per row).
+    fp8_recipe: str = "tensorwise"
     # Steps between console log lines (metrics.jsonl gets every step).
     log_interval: int = 10
     # Dense peak TFLOP/s for MFU; None takes the device catalog's figure.
@@ -162,6 +167,8 @@ class TrainConfig:
             raise ConfigError(f"train.eval_iters={self.eval_iters} must be positive")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ConfigError(f"train.fp8_recipe={self.fp8_recipe!r} must be one of {', '.join(FP8_RECIPES)}")
         sdpa_preference(self.attention_backend)  # raises ConfigError naming the bad value
         check_recompute(self.recompute, self.recompute_num_layers)
         if self.max_skipped_steps < 1:
@@ -407,6 +414,10 @@ class PretrainConfig:
             raise ConfigError(
                 f"train.seq_length={self.train.seq_length} exceeds model {self.model.name!r}'s "
                 f"max_position_embeddings={self.model.max_position_embeddings}")
+        for i, group in enumerate(self.cluster.groups):
+            if group.precision is not None and group.precision not in PRECISIONS:
+                raise ConfigError(f"cluster.groups.{i}.precision={group.precision!r} must be one of "
+                                  f"{', '.join(PRECISIONS)} (or null: train.precision)")
         decay = self.optimizer.lr_decay_iters
         if decay is not None and decay < self.optimizer.lr_warmup_iters:
             raise ConfigError(

@@ -55,12 +55,14 @@ from hetpipe.checkpoint.tp_slices import shard_fn
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.parallel.zero1 import DistributedOptimizer
-from hetpipe.devices.facts import check_local_devices
+from hetpipe.devices.facts import check_local_devices, device_facts
 from hetpipe.devices.catalog import catalog_with, detect_device_type, device_spec
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import resolve_plan
-from hetpipe.models.precision import (Bf16Weights, activation_dtype, cast_parameters, fuse_linear_grads,
-                                      resolve_precision)
+from hetpipe.models.fp8 import compiles_layers, convert_to_fp8
+from hetpipe.models.precision import (WORKING_COPY_MODES, Bf16Weights, activation_dtype, cast_parameters,
+                                      fuse_linear_grads, resolve_precision)
+from hetpipe.devices.group_precision import check_local_fp8, fp8_format, group_precision
 from hetpipe.memory_peak import memory_snapshot_step
 from hetpipe.profiling import profile_step
 from hetpipe.pipeline.registry import schedule_spec
@@ -170,6 +172,7 @@ def train(cfg: PretrainConfig, run_dir: Path) -> list[float]:
     """
     if not under_torchrun():  # a torchrun rank checks its own device at the roll call
         check_local_devices(cfg.cluster, catalog_with(dict(cfg.planner.catalog or {})))  # before planning for them
+        check_local_fp8(cfg.cluster, cfg.train.precision, catalog_with(dict(cfg.planner.catalog or {})))
     plan = memory_fit.with_prediction(resolve_plan(cfg), cfg)
     check_transport_available(cfg.cluster)
     if not under_torchrun():
@@ -210,9 +213,10 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
         topo.close()
 
 
-def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
+def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology, fp8: Optional[str]) -> list:
     """This rank's model chunks: built whole from the seed, then cut to its TP shard.
-    Chunk c holds the units of the virtual stage the plan's placement gives it."""
+    Chunk c holds the units of the virtual stage the plan's placement gives it.
+    ``fp8``: the FP8 format its decoder linears compute in (train.precision=fp8)."""
     ranges = plan.unit_ranges()
     chunks = []
     if schedule_spec(plan.schedule).split_backward:
@@ -226,16 +230,34 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
         set_attention_backend(chunk, cfg.train.attention_backend, cfg.train.deterministic)
         stage = plan.stages[v]
         set_recompute(chunk, stage.recompute, stage.recompute_num_layers)
-        if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
+        if fp8 is not None:
+            _convert_to_fp8(chunk, cfg.train.fp8_recipe, fp8, topo, note=c == 0)
+        compiled = compiles_layers(cfg.train.compile, fp8 is not None, topo.device.type)
+        if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, compiled):
             fuse_elementwise(chunk)
             if c == 0 and topo.local_rank == 0 and detect_vendor() == "amd":
                 print("hetpipe: note: fused elementwise kernels (Triton on ROCm) are not verified on AMD "
                       "hardware; train.fuse_elementwise=false runs the eager kernels", flush=True)
-        if cfg.train.compile:
+        if compiled:
             for layer in chunk.layers.values():
                 layer.compile()
         chunks.append(chunk)
     return chunks
+
+
+def _convert_to_fp8(chunk, recipe: str, fp8: str, topo: Topology, note: bool) -> None:
+    """The chunk's decoder linears in FP8; a stage's first rank names those left bf16."""
+    skipped = convert_to_fp8([chunk], recipe, fp8)
+    if skipped and note and topo.rank == topo.stage.ranks[0]:
+        print(f"hetpipe: note: train.precision=fp8 keeps {len(skipped)} decoder linear(s) of stage "
+              f"{topo.pp_rank} in bf16, their dimensions not multiples of 16 (FP8 GEMM alignment): "
+              f"{', '.join(skipped[:4])}{', ...' if len(skipped) > 4 else ''}", flush=True)
+
+
+def _fp8_format(train_precision: str, topo: Topology) -> str:
+    """The FP8 pair this rank's device computes in (its catalog entry's), or the one-line refusal."""
+    kind = device_facts(topo.device, topo.catalog, free=False).device_type
+    return fp8_format(train_precision, topo.group.precision, topo.group_index, topo.group.name, kind, topo.catalog)
 
 
 def _recv_ahead(cfg: PretrainConfig, topo: Topology) -> int:
@@ -280,6 +302,7 @@ class _Rank:
     saver: CheckpointSaver
     fused: bool  # some layer runs fused elementwise kernels
     carveout: Optional[int]  # SMs the GEMMs leave to the NCCL boundary
+    compiled: bool = False  # the decoder layers run compiled (train.compile, fp8 on GPUs)
 
 
 @dataclass
@@ -334,7 +357,8 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     """Process groups, channels, this rank's chunks, the engine, the optimizer and the saver."""
     t = cfg.train
     device = topo.device
-    precision = resolve_precision(t.precision, device.type)
+    precision = resolve_precision(group_precision(t.precision, topo.group.precision), device.type)
+    fp8 = _fp8_format(t.precision, topo) if precision == "fp8" else None
     seed_everything(t.seed)
     topo.init_process_groups(tied_embeddings=cfg.model.share_embeddings_and_output_weights)
     _check_memory(cfg, plan, topo)
@@ -342,7 +366,8 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
-    chunks = _build_chunks(cfg, plan, topo)
+    chunks = _build_chunks(cfg, plan, topo, fp8)
+    compiled = compiles_layers(t.compile, fp8 is not None, device.type)
     if precision == "bf16-pure":
         cast_parameters(chunks, torch.bfloat16)  # before the reducer's buffers and the optimizer's state
         if t.grad_accumulation_fusion and not t.compile:
@@ -353,9 +378,9 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
                   "train.precision=bf16 is the mode for real pretraining", flush=True)
     fused = any(getattr(m, "fused", False) for chunk in chunks for m in chunk.modules())
     actions = build_schedule(plan.schedule, P, loader.num_microbatches, plan.num_chunks)[topo.pp_rank]
-    # bf16: made after TP sharding (the copies are of the shards).
-    weights = (Bf16Weights(chunks, fuse_linear_grads=t.grad_accumulation_fusion and not t.compile)
-               if precision == "bf16" else None)
+    # bf16, fp8: made after TP sharding and FP8 conversion (the copies are of the shards).
+    weights = (Bf16Weights(chunks, fuse_linear_grads=t.grad_accumulation_fusion and not compiled)
+               if precision in WORKING_COPY_MODES else None)
     engine = PipelineEngine(chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
                             activation_dtype=activation_dtype(precision), device=device, precision=precision,
@@ -379,7 +404,7 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     validator = build_validator(cfg, plan, topo, engine, counts_loss, weights)
     saver = CheckpointSaver.for_topology(cfg.checkpoint, run_dir, topo, cfg.model, plan)
     return _Rank(cfg, plan, topo, run_dir, progress, precision, chunks, loader, weights, engine, reducer,
-                 optimizer, clipper, counts_loss, token_weights, validator, saver, fused, carveout)
+                 optimizer, clipper, counts_loss, token_weights, validator, saver, fused, carveout, compiled)
 
 
 def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
@@ -407,7 +432,7 @@ def _open_metrics(r: _Rank, start: int) -> MetricsLogger:
     print(f"hetpipe: {cfg.model.name} ({cfg.model.num_parameters() / 1e6:.1f}M parameters) on "
           f"cluster {cfg.cluster.name} ({topo.world_size} rank(s), {accelerator_name()}), "
           f"layers per stage {layers}, {parallel}, {r.plan.schedule}, {r.precision}"
-          f"{' (compiled layers)' if t.compile else ' (fused elementwise)' if r.fused else ''}, "
+          f"{' (compiled layers)' if r.compiled else ' (fused elementwise)' if r.fused else ''}, "
           f"{determinism.describe(t.deterministic)}"
           f"{f'GEMMs leave {r.carveout} SMs to the NCCL boundary, ' if r.carveout else ''}"
           f"{r.loader.num_microbatches} microbatches/step per DP rank, {r.loader.tokens_per_step} tokens/step, "

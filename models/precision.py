@@ -1,6 +1,7 @@
 """Training precision: which dtype the weights, activations and gradients have.
 
-``train.precision`` takes four values:
+``train.precision`` takes these values (a vendor group may run its own:
+``cluster.groups[i].precision``):
 
 ``bf16`` (Megatron-LM's ``--bf16``)
     Forward and backward run on bf16 *working copies* of the weights; the
@@ -11,6 +12,18 @@
     see fp32, exactly as in the other modes. After every optimizer step the
     working copies are refreshed from the main weights (one cast per step, not
     one per microbatch as autocast does).
+``fp8``
+    ``bf16`` with the decoder layers' linears computing in FP8
+    (:mod:`hetpipe.models.fp8`, torchao's float8 training, recipe
+    ``train.fp8_recipe`` = ``tensorwise`` or ``rowwise``): each linear casts
+    its bf16 input and the bf16 working copy of its weight to FP8 with dynamic
+    scales, multiplies in FP8 and returns bf16, so activations, boundary
+    messages and their gradients stay bf16 and the main weights, gradients,
+    AdamW state and checkpoints stay fp32, exactly as in ``bf16`` (a run
+    resumes in the other mode). On GPUs the decoder layers are compiled
+    (torchao's casts and scales are fast only fused by ``torch.compile``).
+    Needs a device whose catalog entry has an FP8 format
+    (hetpipe/devices/catalog.py); the FP8 pair is that entry's.
 ``bf16-pure``
     No fp32 anywhere in the model's state: the parameters themselves are
     bf16, and so are their gradients (accumulated over the microbatches in
@@ -58,7 +71,9 @@ backward has the weight-gradient GEMM accumulate straight into the fp32
 ``.grad`` (``torch.addmm(..., out_dtype=float32)`` on CUDA, bf16 inputs with an
 fp32 accumulator and output), and then runs the parameter's
 post-accumulate-grad hooks itself, as autograd would have (the DP reducer
-counts on them). Biases, norms, the embedding and the head keep the cast path.
+counts on them). Biases, norms, the embedding and the head keep the cast path,
+and so do fp8's float8 linears (their backward's FP8 GEMMs return a bf16
+weight gradient; :mod:`hetpipe.models.fp8`).
 Compiled layers (``train.compile``) keep the cast path too: the fused
 backward's side effects are not something to trace. In ``bf16-pure`` the same
 function runs on the bf16 parameter itself (:func:`fuse_linear_grads`): its
@@ -76,9 +91,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.fp8 import is_float8
 from hetpipe.torch_compat import foreach_copy_, own_parameters, run_post_accumulate_grad_hooks
 
-PRECISIONS = ("auto", "bf16", "bf16-pure", "bf16-autocast", "fp32")
+PRECISIONS = ("auto", "bf16", "fp8", "bf16-pure", "bf16-autocast", "fp32")
+# The modes that run on Bf16Weights' working copies of fp32 main weights.
+WORKING_COPY_MODES = ("bf16", "fp8")
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
@@ -92,7 +110,7 @@ def resolve_precision(precision: str, device_type: str) -> str:
 
 def activation_dtype(mode: str) -> torch.dtype:
     """dtype of the residual stream, hence of stage-boundary messages."""
-    return torch.bfloat16 if mode in ("bf16", "bf16-pure") else torch.float32
+    return torch.bfloat16 if mode in ("bf16", "fp8", "bf16-pure") else torch.float32
 
 
 @torch.no_grad()
@@ -223,11 +241,12 @@ def _fused_own_weight_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tenso
 
 def _decoder_linears(chunk: nn.Module) -> list[nn.Linear]:
     """The linears of ``chunk``'s decoder layers whose weight trains. Not the
-    head's: the fused loss reads its weight directly, never calling forward."""
+    head's: the fused loss reads its weight directly, never calling forward.
+    Not float8 ones (fp8): their own forward is the FP8 GEMM."""
     if not hasattr(chunk, "layers"):
         return []
     return [m for layer in chunk.layers.values() for m in layer.modules()
-            if isinstance(m, nn.Linear) and m.weight.requires_grad]
+            if isinstance(m, nn.Linear) and m.weight.requires_grad and not is_float8(m)]
 
 
 def fuse_linear_grads(chunks: Sequence[nn.Module]) -> None:
@@ -316,9 +335,9 @@ class Bf16Weights:
 
 
 def compute_context(mode: str, device_type: str, weights: Optional[Bf16Weights], chunk: int):
-    """What wraps one chunk's forward in ``mode``: the weight swap (bf16), autocast
+    """What wraps one chunk's forward in ``mode``: the weight swap (bf16, fp8), autocast
     (bf16-autocast) or nothing (fp32)."""
-    if mode == "bf16" and weights is not None:
+    if mode in WORKING_COPY_MODES and weights is not None:
         return weights.swap(chunk)
     if mode == "bf16-autocast":
         return torch.autocast(device_type, dtype=torch.bfloat16)

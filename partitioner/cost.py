@@ -38,6 +38,7 @@ from hetpipe.models.families import spec_of
 from hetpipe.models.layers import fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.devices.catalog import DeviceSpec
+from hetpipe.models.fp8 import compiles_layers
 from hetpipe.models.precision import resolve_precision
 
 GIB = float(1 << 30)
@@ -106,6 +107,9 @@ class Precision:
     # add straight into fp32 .grad (models/precision.py), which decides what
     # a zero-bubble W holds (weight_pass_bytes).
     fused_linear_grads: bool = False
+    # fp8: as bf16, with the decoder linears' GEMMs at the device's FP8 peak
+    # (fp8_gemm_speedup) and their FP8 casts of weights and inputs as working memory.
+    fp8: bool = False
 
     @property
     def grad_bytes(self) -> int:
@@ -129,7 +133,10 @@ class Precision:
         (hetpipe/trainer.py)."""
         device_type = "cpu" if spec.vendor == "cpu" else "cuda"
         mode = resolve_precision(precision, device_type)
+        compiled = compiles_layers(compiled, mode == "fp8", device_type)
         fused = fuses_elementwise(fuse_elementwise, device_type, compiled, local=False)
+        if mode == "fp8":
+            return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2, fused_elementwise=fused, fp8=True)
         if mode == "bf16":
             return cls(matmul_bytes=2, residual_bytes=2, working_copy_bytes=2, fused_elementwise=fused,
                        fused_linear_grads=grad_accumulation_fusion and not compiled)
@@ -141,6 +148,8 @@ class Precision:
     def name(self) -> str:
         if self.matmul_bytes == 4:
             return "fp32"
+        if self.fp8:
+            return "fp8"
         if self.pure_bf16:
             return "bf16-pure"
         return "bf16" if self.residual_bytes == 2 else "bf16-autocast"
@@ -322,9 +331,12 @@ def grad_sync_s(params, dp: int, gbs: float, latency_us: float, spec: DeviceSpec
 
 def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Precision,
                net: NetworkConfig, efficiency: Optional[float] = None,
-               profile: Optional[dict] = None, head_shares_embedding: bool = False) -> UnitCosts:
+               profile: Optional[dict] = None, head_shares_embedding: bool = False,
+               profile_is_bf16: bool = False) -> UnitCosts:
     """Costs of every unit on ``spec`` at ``shape``: measured (``profile``, one
-    entry of a profile file for this device) where given, analytic otherwise."""
+    entry of a profile file for this device) where given, analytic otherwise.
+    ``profile_is_bf16``: an fp8 run priced from a bf16 entry (fp8 not measured),
+    whose layers are scaled as the analytic model scales them (fp8_gemm_speedup)."""
     tp, b, s = shape.tp, shape.micro_batch_size, shape.seq_length
     h, v, num_layers = model.hidden_size, model.vocab_size, model.num_layers
     e, r = prec.matmul_bytes, prec.residual_bytes
@@ -366,6 +378,11 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
             # The profile measured the fused, chunked loss; under TP the head runs the
             # vocab-parallel one, which holds its [tokens, vocab/tp] logits in fp32.
             act[-1], transient[-1] = head_act, head_transient
+    if prec.fp8 and (profile is None or profile_is_bf16):
+        factor = fp8_layer_factor(model, b, s, spec)
+        fwd[layers], bwd[layers] = fwd[layers] * factor, bwd[layers] * factor
+    if prec.fp8:
+        transient[layers] += fp8_cast_bytes(model, b, s, tp, params[1])
     if measured is None:
         bwd[layers] += _recompute_s(shape.recompute, fwd[layers], core_s)
         act, transient = _recompute_memory(act, transient, model, b, s, tp, prec, shape.recompute)
@@ -389,6 +406,26 @@ def unit_costs(model: ModelConfig, spec: DeviceSpec, shape: StageShape, prec: Pr
                      activation_bytes=act, transient_bytes=transient, weight_kept_bytes=kept,
                      weight_grad_bytes=wgrad, weight_net_bytes=wnet,
                      boundary_bytes=float(b * s * h * r / tp), source=source)
+
+
+def fp8_layer_factor(model: ModelConfig, b: int, s: int, spec: DeviceSpec) -> float:
+    """A decoder layer's fp8 time over its bf16 time: its linear GEMMs' share of
+    the layer's model FLOPs runs at the FP8 peak, the attention core's at BF16's
+    (same efficiency for both: an assumption until fp8 is profiled). 1 on a
+    device without FP8."""
+    if spec.peak_fp8_tflops is None:
+        return 1.0
+    layer = spec_of(model).layer_forward_flops(model, b, s)
+    gemm = 1.0 - 4.0 * b * s * s * model.num_attention_heads * model.head_dim / layer
+    return 1.0 - gemm + gemm * spec.peak_bf16_tflops / spec.peak_fp8_tflops
+
+
+def fp8_cast_bytes(model: ModelConfig, b: int, s: int, tp: int, layer_params: float) -> float:
+    """Working memory of a layer's FP8 casts: its weights in FP8 and transposed
+    (1 byte each per parameter) and the widest input cast (SwiGLU's down
+    projection, b x s x ffn bytes). torchao keeps the bf16 inputs for the
+    backward, so the saved activations are bf16's."""
+    return 2.0 * layer_params + b * s * model.ffn_hidden_size / tp
 
 
 def _recompute_s(mode: str, layer_forward_s: np.ndarray, core_s: float) -> np.ndarray:

@@ -22,12 +22,13 @@ run, and each stage's share of the fill/drain path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
+from hetpipe.devices.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
@@ -130,8 +131,12 @@ class CostContext:
         self.device_types = [_device_type(g, self.catalog) for g in self.groups]
         self.specs: list[DeviceSpec] = [device_spec(d, self.catalog) for d in self.device_types]
         fusion = getattr(train, "grad_accumulation_fusion", True)
-        self.precisions = [cost.Precision.for_device(s, train.precision, train.fuse_elementwise, train.compile, fusion)
-                           for s in self.specs]
+        self.precisions = [cost.Precision.for_device(s, group_precision(train.precision, g.precision),
+                                                     train.fuse_elementwise, train.compile, fusion)
+                           for s, g in zip(self.specs, self.groups)]
+        for i, (g, prec) in enumerate(zip(self.groups, self.precisions)):
+            if prec.fp8:  # a group on a device without FP8 is refused as the trainer refuses it
+                fp8_format(train.precision, g.precision, i, g.name, self.device_types[i], self.catalog)
         self.starts = [sum(g.size for g in self.groups[:i]) for i in range(len(self.groups))]
         self.net = planner.network
         self.num_units = model.num_units
@@ -139,9 +144,10 @@ class CostContext:
         # keeps the analytic model (and the plan's notes say so).
         self.profiles = planner_profiles(planner.profile, planner.builtin_profiles)
         self.cost_source = {}
-        for g, (name, dtype, prec) in enumerate(zip(self.names, self.device_types, self.precisions)):
-            shape = profile_shape(model, train.seq_length, prec.name, prec.fused_elementwise)
-            self.cost_source[name] = "profile" if find_entry(self.profiles, dtype, shape, 0) else "analytic"
+        for g, name in enumerate(self.names):
+            entry, scaled = self._profile_entry(g, 0)
+            self.cost_source[name] = "analytic" if entry is None else \
+                "bf16 profile scaled to fp8 by the peak ratio (fp8 not measured)" if scaled else "profile"
         kind = cluster.transport.kind
         self.transport = planner.transport if planner.transport != "auto" else \
             ("direct" if kind == "direct" else "cpu_forwarding")
@@ -154,8 +160,9 @@ class CostContext:
         if train.compile and planner.recompute not in ("auto", "none"):
             raise ConfigError(f"planner.recompute={planner.recompute} cannot be run with train.compile=true "
                               "(see partitioner/resolve.py); use planner.recompute=none")
-        # The modes a stage may run; the runtime does not recompute compiled layers.
-        self.recompute_modes: tuple[str, ...] = ("none",) if train.compile else \
+        # The modes a stage may run; the runtime does not recompute compiled layers (fp8's too).
+        compiled = train.compile or any(p.fp8 for p in self.precisions)
+        self.recompute_modes: tuple[str, ...] = ("none",) if compiled else \
             RECOMPUTE_MODES if planner.recompute == "auto" else (planner.recompute,)
         # Decoder layers in each unit range [i, j): the units less the embedding and the head.
         idx = np.arange(self.num_units + 1)
@@ -170,14 +177,28 @@ class CostContext:
         """Per-unit costs of group ``g`` with every layer recomputing in ``recompute``."""
         key = (g, tp, mbs, recompute, alone)
         if key not in self._units:
-            entry = find_entry(self.profiles, self.device_types[g],
-                               profile_shape(self.model, self.train.seq_length, self.precisions[g].name,
-                                             self.precisions[g].fused_elementwise), mbs)
+            entry, scaled = self._profile_entry(g, mbs)
             shape = cost.StageShape(tp, mbs, self.train.seq_length, recompute)
             shares = alone and self.model.share_embeddings_and_output_weights
             self._units[key] = cost.unit_costs(self.model, self.specs[g], shape, self.precisions[g], self.net,
-                                               self.planner.efficiency, entry, head_shares_embedding=shares)
+                                               self.planner.efficiency, entry, head_shares_embedding=shares,
+                                               profile_is_bf16=scaled)
         return self._units[key]
+
+    def _profile_entry(self, g: int, mbs: int) -> tuple[Optional[dict], bool]:
+        """Group ``g``'s measured entry, and whether it is a bf16 one standing in for
+        fp8 (no fp8 entry; either elementwise setting, since compiled layers fuse too)."""
+        prec = self.precisions[g]
+        found = find_entry(self.profiles, self.device_types[g],
+                           profile_shape(self.model, self.train.seq_length, prec.name, prec.fused_elementwise), mbs)
+        if found is not None or not prec.fp8:
+            return found, False
+        for fused in (prec.fused_elementwise, not prec.fused_elementwise):
+            found = find_entry(self.profiles, self.device_types[g],
+                               profile_shape(self.model, self.train.seq_length, "bf16", fused), mbs)
+            if found is not None:
+                return found, True
+        return None, False
 
     def group_costs(self, g: int, tp: int, dp: int, mbs: int, recompute: str, alone: bool) -> _GroupCosts:
         key = (g, tp, dp, mbs, recompute, alone)

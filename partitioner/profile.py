@@ -34,6 +34,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from hetpipe.devices.catalog import device_spec
+from hetpipe.devices.facts import local_device_type
 from hetpipe.devices.vendor import accelerator_name
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
@@ -41,8 +43,9 @@ from hetpipe.models.families import spec_of
 from hetpipe.models.layers import fuse_elementwise as fuse_module, fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
-from hetpipe.models.precision import (Bf16Weights, activation_dtype, cast_parameters, compute_context,
-                                      fuse_linear_grads, resolve_precision)
+from hetpipe.models.fp8 import convert_to_fp8
+from hetpipe.models.precision import (WORKING_COPY_MODES, Bf16Weights, activation_dtype, cast_parameters,
+                                      compute_context, fuse_linear_grads, resolve_precision)
 
 PROFILE_FORMAT = "hetpipe-profile/1"
 UNIT_KINDS = ("embedding", "layer", "head")
@@ -129,10 +132,13 @@ def save_entry(path: str | Path, device_type: str, entry: dict) -> None:
 
 def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, precision: str = "auto",
                   repeats: int = 40, warmup: int = 3, seed: int = 1234,
-                  fuse_elementwise: Optional[bool] = None, warmup_s: float = 0.0) -> tuple[str, dict]:
+                  fuse_elementwise: Optional[bool] = None, warmup_s: float = 0.0,
+                  fp8_recipe: str = "tensorwise") -> tuple[str, dict]:
     """Profile embedding, one decoder layer (once per recomputation mode) and
     the head on the local device, with the trainer's precision and elementwise
-    fusion (``train.fuse_elementwise``).
+    fusion (``train.fuse_elementwise``). fp8 converts and compiles the layer as the
+    trainer does (models/fp8.py), in the local device's FP8 format, and measures it
+    without recomputation only (the trainer does not recompute compiled layers).
 
     Returns (device name as the runtime reports it, profile entry).
     """
@@ -142,7 +148,7 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     mode = resolve_precision(precision, device.type)
-    fused = fuses_elementwise(fuse_elementwise, device.type, compiled=False)
+    fused = fuses_elementwise(fuse_elementwise, device.type, compiled=mode == "fp8")
     if mode != "fp32" and device.type == "cpu":
         raise ConfigError(f"{mode} profiles need a GPU (the trainer runs CPUs in fp32)")
     b, s, h, L = micro_batch_size, seq_length, model.hidden_size, model.num_layers
@@ -157,7 +163,8 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
     # (unit kind, recomputation of its layers): the layer once per mode.
     cases = {
         ("embedding", "none"): ((0, 1), lambda: (tokens(),)),
-        **{("layer", rc): ((1, 2), lambda: (hidden(),)) for rc in RECOMPUTE_MODES},
+        **{("layer", rc): ((1, 2), lambda: (hidden(),)) for rc in RECOMPUTE_MODES
+           if rc == "none" or mode != "fp8"},
         ("head", "none"): ((L + 1, L + 2), lambda: (hidden(), tokens())),
     }
     units, recompute = {}, {}
@@ -168,6 +175,10 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
             fuse_linear_grads([module])  # as the trainer runs it (train.grad_accumulation_fusion)
         if fused:
             fuse_module(module)
+        if mode == "fp8" and kind == "layer":
+            convert_to_fp8([module], fp8_recipe, _local_fp8_format())
+            for layer in module.layers.values():
+                layer.compile()
         set_recompute(module, rc)
         measured = _measure(module, make_inputs, device, mode, repeats, warmup, warmup_s)
         if rc == "none":
@@ -178,8 +189,18 @@ def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, pr
     entry = {"shape": profile_shape(model, seq_length, mode, fused),
              "micro_batch_size": micro_batch_size, "device_name": accelerator_name(),
              "torch": torch.__version__, "repeats": repeats, "warmup_s": warmup_s if device.type == "cuda" else 0.0,
-             "units": units, "recompute": recompute}
+             "units": units, "recompute": recompute, **({"fp8_recipe": fp8_recipe} if mode == "fp8" else {})}
     return accelerator_name(), entry
+
+
+def _local_fp8_format() -> str:
+    """The FP8 format of this machine's GPU in the catalog; its profile is refused without one."""
+    kind, name = local_device_type()
+    spec = device_spec(kind) if kind else None
+    if spec is None or spec.fp8_format is None:
+        raise ConfigError(f"an fp8 profile needs a GPU with FP8 in the device catalog; this machine's "
+                          f"{name!r} ({kind or 'not in the catalog'}) has none")
+    return spec.fp8_format
 
 
 def weight_storages(module: torch.nn.Module, weights: Optional[Bf16Weights] = None) -> set[int]:
@@ -222,7 +243,7 @@ def _measure(module, make_inputs, device, mode: str, repeats: int, warmup: int, 
     counts what autograd keeps and the peak memory above them.
     """
     cuda = device.type == "cuda"
-    weights = Bf16Weights([module], fuse_linear_grads=True) if mode == "bf16" else None
+    weights = Bf16Weights([module], fuse_linear_grads=True) if mode in WORKING_COPY_MODES else None
     params = weight_storages(module, weights)
 
     def sync() -> None:

@@ -167,6 +167,10 @@ def check_runnable(plan: Plan, cluster: ClusterConfig, train: TrainShape,
         # rerun through checkpoint's context_fn, which torch.compile refuses.
         raise ConfigError(f"plan stage(s) {recomputing} recompute activations, which this release does not run "
                           "with train.compile=true (whole compiled layers); set train.compile=false or recompute none")
+    if recomputing and train.precision == "fp8":
+        # fp8 compiles the decoder layers on GPUs (models/fp8.py: compiles_layers).
+        raise ConfigError(f"plan stage(s) {recomputing} recompute activations, which this release does not run "
+                          "with train.precision=fp8 (compiled layers); set recompute none")
     mbs = plan.notes.get("micro_batch_size") if plan.notes else None
     if mbs is not None and mbs != train.micro_batch_size:
         raise ConfigError(f"the plan was made for micro_batch_size={mbs} but train.micro_batch_size="

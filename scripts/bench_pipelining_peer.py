@@ -50,6 +50,11 @@ Where the output head sits (the peer's known weakness at a 128K vocabulary):
 Precision: on GPU fp32 master weights with bf16 autocast around each stage
 forward and the loss (the forward only, as our engine does), or
 ``--bf16-weights`` for bf16 parameters with no autocast; fp32 on CPU.
+``--fp8 RECIPE`` converts the decoder layers' linears (those torchao's
+alignment admits, as hetpipe's fp8 does) to torchao Float8Linear, torchao's
+own way, with its FP8 dtypes for this process's device, on the same fp32
+master weights under autocast: torchtitan's ``quantize.linear.float8``
+without FSDP.
 
 Output: one JSON line per step on stdout (loss from the last stage, step time,
 tokens/s, TFLOP/s per GPU by Megatron's formula, peak memory per rank), a
@@ -91,6 +96,7 @@ from torch.distributed import pipelining
 from hetpipe.data import MicrobatchLoader, demo_corpus
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
+from hetpipe.models.fp8 import convert_to_fp8, torchao_fp8_format
 from hetpipe.trainer import build_optimizer, lr_at, seed_everything
 
 # Its options and stage modules sit beside this script (sys.path[0] when run as a script).
@@ -171,6 +177,8 @@ def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: s
     chunks = [build_model(cfg, seed=opts.seed, units=plan.unit_ranges()[v], device=device) for v in held]
     act_dtype = torch.float32
     for chunk in chunks:
+        if opts.fp8:
+            convert_to_fp8([chunk], opts.fp8, torchao_fp8_format())
         if opts.bf16_weights:
             inv_freq = chunk.inv_freq
             chunk.to(torch.bfloat16)
@@ -223,7 +231,7 @@ def _train(rank: int, opts: argparse.Namespace, device: torch.device, workdir: s
         torch.cuda.reset_peak_memory_stats(device)
 
     if rank == 0:
-        precision = "bf16 weights" if opts.bf16_weights else "bf16 autocast" if amp else "fp32"
+        precision = summary_precision(opts).replace("-", " ")
         head = "in the last stage"
         if opts.head_in_loss:
             head = "in loss_fn" + (" (fused CE)" if opts.fused_ce else "")
@@ -296,6 +304,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def summary_precision(opts: argparse.Namespace) -> str:
+    """The peer's precision as its result names it."""
+    base = "bf16-weights" if opts.bf16_weights else "bf16-autocast" if opts.device == "cuda" else "fp32"
+    return f"fp8-{opts.fp8}+{base}" if opts.fp8 else base
+
+
 def summarise(opts: argparse.Namespace, cfg, plan, records: list[dict], oom: Optional[dict]) -> dict:
     measured = [r for r in records if not r["warmup"]]
     result: dict[str, Any] = {
@@ -312,7 +326,7 @@ def summarise(opts: argparse.Namespace, cfg, plan, records: list[dict], oom: Opt
         "steps": opts.steps,
         "warmup": opts.warmup,
         "device": opts.device,
-        "precision": "bf16-weights" if opts.bf16_weights else ("bf16-autocast" if opts.device == "cuda" else "fp32"),
+        "precision": summary_precision(opts),
         "head": ("loss_fn-fused" if opts.fused_ce else "loss_fn") if opts.head_in_loss else "last_stage",
         "return_outputs": opts.return_outputs,
         "compile": opts.compile,

@@ -26,8 +26,8 @@ layers; ``+zero1`` shards AdamW's state over DP (optimizer.distributed=true);
 ``+ctaN`` on an nccl variant caps the boundary communicators at N CTAs
 (cluster.transport.nccl_max_ctas=N) and ``+smN`` leaves N SMs free of GEMMs
 for them (cluster.transport.gemm_sm_carveout=N; sm0: none); ``+pure`` runs hetpipe in
-train.precision=bf16-pure, the peer's own precision (bf16 parameters,
-gradients and AdamW state), beside the default. ``+sched=NAME`` picks the
+train.precision=bf16-pure (bf16 parameters, gradients and AdamW state, what
+the peer runs under ``--precision bf16-pure``), beside the default. ``+sched=NAME`` picks the
 pipeline schedule: on a hetpipe variant partition.schedule=NAME (gpipe, 1f1b,
 zb_h1 or zb_v; ``nccl+sched=zb_h1`` is zero bubble over NCCL; zb_v halves
 each rank's --layers into its two chunks, 17,15 -> 9,8,7,8; ``+sched=auto`` runs
@@ -45,8 +45,11 @@ runs it; a ``--set train.recompute=MODE`` fixes one mode instead), and the
 peer the nccl 1F1B run's layers; the table shows each run's split. A run whose process exits non-zero, dies of a signal or
 times out is "failed (exit N)" / "failed (signal NAME)" in the table and in
 results.json, with no throughput, and no ratio is taken against it.
-``--precision`` is the hetpipe runs' train.precision (bf16 by default; the
-peer then gets bf16 weights). The first ``--warmup`` steps are not timed (they
+``--precision`` is the hetpipe runs' train.precision (bf16 by default), and
+the peer runs its counterpart (:func:`peer_precision_flags`): fp32 master
+weights under bf16 autocast for bf16, bf16 parameters for bf16-pure, and for
+fp8 torchao's float8 linears on fp32 master weights, compiled like hetpipe's
+fp8 layers (``--set train.fp8_recipe=rowwise`` reaches both). The first ``--warmup`` steps are not timed (they
 include kernel loading and compilation); ``--profile`` adds one more, untimed,
 profiled step (train.profile_step) to every hetpipe run, ``--memory-snapshot`` one
 more that records what each rank holds at its memory peak (train.memory_snapshot_step). Prints a table with TFLOP/s per GPU (Megatron's
@@ -216,6 +219,19 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, s
     return result
 
 
+def peer_precision_flags(precision: str, sets: list[str]) -> list[str]:
+    """The peer's options for the hetpipe runs' train.precision, each the peer's natural
+    counterpart: bf16-pure bf16 parameters (8 bytes per parameter, as hetpipe's
+    bf16-pure), bf16 and bf16-autocast fp32 master weights under bf16 autocast (the
+    peer's default), fp8 torchao's float8 linears on those (recipe train.fp8_recipe)."""
+    if precision == "bf16-pure":
+        return ["--bf16-weights"]
+    if precision == "fp8":
+        recipe = next((s.split("=", 1)[1] for s in sets if s.startswith("train.fp8_recipe=")), "tensorwise")
+        return ["--fp8", recipe]
+    return []
+
+
 def run_peer(args, compiled: bool, schedule: str, out: Path, split: Split) -> dict:
     layers = split.layers
     out.mkdir(parents=True, exist_ok=True)
@@ -231,12 +247,9 @@ def run_peer(args, compiled: bool, schedule: str, out: Path, split: Split) -> di
             cmd += ["--set", item.removeprefix("model.")]
         elif item.startswith("optimizer."):  # the same schedule for the peer
             cmd += ["--opt", item.removeprefix("optimizer.")]
-    if compiled:
+    if compiled or args.precision == "fp8":  # hetpipe's fp8 compiles its layers too
         cmd.append("--compile")
-    if args.precision in ("bf16", "bf16-pure"):
-        # The peer's bf16 compute: bf16 parameters (it has no fp32 main copies,
-        # so it keeps 8 bytes per parameter to hetpipe's 18).
-        cmd.append("--bf16-weights")
+    cmd += peer_precision_flags(args.precision, args.set)
     result = _run(cmd, out.with_suffix(".log"), args.timeout)
     result["layers"] = layers
     if "failed" not in result and result_path.exists():
@@ -359,8 +372,10 @@ def main() -> None:
                         f"{', '.join(PEER_SCHEDULES)}")
     p.add_argument("--gpus", type=int, default=2, choices=[2, 4, 8],
                    help="local GPUs: 2 = PP2; 4/8 = PP2 x DP2/DP4 over two vendor groups")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "bf16-pure", "bf16-autocast"],
-                   help="train.precision of the hetpipe runs; bf16 and bf16-pure give the peer bf16 weights")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "bf16-pure", "bf16-autocast"],
+                   help="train.precision of the hetpipe runs and the peer's counterpart: bf16-pure bf16 "
+                        "weights, bf16 and bf16-autocast fp32 master weights under bf16 autocast, fp8 "
+                        "torchao float8 linears on those (train.fp8_recipe via --set), compiled")
     p.add_argument("--profile", action="store_true",
                    help="hetpipe runs profile one extra, untimed step (train.profile_step); "
                         "the reports go into results.json and each run dir")
@@ -401,7 +416,7 @@ def main() -> None:
                 or len(sched_flags) > 1 or any(f.removeprefix("sched=") not in schedules for f in sched_flags) \
                 or (base == "peer" and "pure" in flags):
             p.error(f"unknown variant {variant!r}; choose from {list(VARIANTS) + ['peer']}, "
-                    "optionally with +compile, +zero1, +pure (not the peer: it is pure bf16 already), "
+                    "optionally with +compile, +zero1, +pure (not the peer: --precision sets its precision), "
                     f"+sched=NAME (hetpipe: {', '.join(HETPIPE_SCHEDULES)}; peer: {', '.join(PEER_SCHEDULES)}) "
                     "and (nccl only) +ctaN and +smN")
         if base == "peer" and args.gpus != 2:

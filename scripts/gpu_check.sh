@@ -9,8 +9,9 @@
 #
 #   bash scripts/gpu_check.sh [one|two|all] [--data PREFIX] [--out DIR]
 #
-# one: on one GPU, a short pretrain in bf16 (fp32 main weights) and in
-#      bf16-pure, full recomputation, a checkpoint saved and resumed, and the
+# one: on one GPU, a short pretrain in bf16 (fp32 main weights), in fp8
+#      (torchao float8 linears, compiled; needs hetpipe[fp8] and a GPU with
+#      FP8) and in bf16-pure, full recomputation, a checkpoint saved and resumed, and the
 #      HF export of that checkpoint;
 # two: on two GPUs, the pipeline boundary over NCCL (gpu2_homogeneous), the
 #      device-direct and the TCP CPU-forwarding channel (gpu2_mixed), the
@@ -71,6 +72,7 @@ record() {  # NAME STATUS LOG SECONDS
 one() {
   local ck="$out/ckpt"
   run bf16 cluster=single train.precision=bf16
+  run fp8 cluster=single train.precision=fp8
   run bf16_pure cluster=single train.precision=bf16-pure
   run recompute cluster=single train.recompute=full
   run save cluster=single train.train_iters=6 "checkpoint.save_dir=$ck" checkpoint.save_interval=6

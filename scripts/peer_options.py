@@ -16,6 +16,7 @@ import torch
 from torch.distributed import pipelining
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.fp8 import FP8_RECIPES
 from hetpipe.models.model_config import model_preset
 from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split, v_layers
 from hetpipe.pipeline.registry import ONE_F_ONE_B, ZB_V
@@ -84,6 +85,9 @@ def parse_args(argv: Optional[list[str]] = None, description: Optional[str] = No
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--bf16-weights", action="store_true",
                    help="bf16 parameters (no autocast) instead of fp32 master weights + bf16 autocast")
+    p.add_argument("--fp8", default=None, choices=FP8_RECIPES, metavar="RECIPE",
+                   help="the decoder layers' linears in float8 through torchao, recipe "
+                        f"{' or '.join(FP8_RECIPES)}, on fp32 master weights + bf16 autocast")
     p.add_argument("--head-in-loss", action="store_true",
                    help="compute the head's projection + CE inside loss_fn instead of the last stage")
     p.add_argument("--fused-ce", action="store_true",
@@ -97,6 +101,8 @@ def parse_args(argv: Optional[list[str]] = None, description: Optional[str] = No
         p.error("--fused-ce needs --head-in-loss (with the head inside the stage, loss_fn sees logits)")
     if args.bf16_weights and args.device == "cpu":
         p.error("--bf16-weights is for --device cuda")
+    if args.fp8 and args.bf16_weights:
+        p.error("--fp8 runs on fp32 master weights under bf16 autocast, not with --bf16-weights")
     for name in ("seq_length", "micro_batch_size", "microbatches", "steps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")

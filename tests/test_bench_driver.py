@@ -258,3 +258,16 @@ def test_profile_and_memory_snapshot_steps_come_after_the_timed_steps(monkeypatc
     args.profile = False
     cfg = bench.run_config(bench.hetpipe_overrides(args, "nccl", set(), "1f1b", bench.run_split(args, "nccl", set(), "1f1b")))
     assert (cfg.train.train_iters, cfg.train.profile_step, cfg.train.memory_snapshot_step) == (4, None, 4)
+
+
+def test_the_peer_runs_the_counterpart_of_each_precision():
+    """Under --precision bf16 the peer ran bf16-pure (same memory and loss as the bf16-pure
+    call), so "x peer" compared unlike precisions; its flags now follow --precision."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_pp2_llm
+
+    assert bench_pp2_llm.peer_precision_flags("bf16", []) == []  # fp32 master weights under autocast
+    assert bench_pp2_llm.peer_precision_flags("bf16-autocast", []) == []
+    assert bench_pp2_llm.peer_precision_flags("bf16-pure", []) == ["--bf16-weights"]
+    assert bench_pp2_llm.peer_precision_flags("fp8", []) == ["--fp8", "tensorwise"]
+    assert bench_pp2_llm.peer_precision_flags("fp8", ["train.fp8_recipe=rowwise"]) == ["--fp8", "rowwise"]

@@ -117,3 +117,21 @@ def test_out_of_memory_is_a_result(tmp_path, corpus_prefix):
     assert result["tokens_per_s"] is None
     assert len(result["losses"]) == 1  # step 1 completed
     assert lines[-1]["status"] == "oom"
+
+
+@pytest.mark.timeout(300)
+def test_fp8_peer_trains_close_to_ours_and_refuses_bf16_weights(tmp_path, corpus_prefix, ours, capsys):
+    """--fp8 (bench_pp2_llm --precision fp8): torchao's float8 linears in the peer's
+    stages, on its fp32 master weights (CPU: torch's CPU FP8 GEMM, no autocast)."""
+    pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")
+    result, _ = _peer(tmp_path, corpus_prefix, "--fp8", "tensorwise", name="fp8")
+    assert result["precision"] == "fp8-tensorwise+fp32" and result["status"] == "ok"
+    losses, _ = ours
+    assert result["losses"] != pytest.approx(losses, rel=1e-5)  # the FP8 GEMMs really ran
+    assert result["losses"] == pytest.approx(losses, rel=0.03)
+    sys.path.insert(0, str(REPO / "scripts"))
+    from peer_options import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--model", "tiny_llama", "--fp8", "rowwise", "--bf16-weights"])
+    assert refused.value.code == 2 and "--fp8 runs on fp32 master weights" in capsys.readouterr().err

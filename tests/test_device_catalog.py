@@ -182,3 +182,20 @@ def test_detection_only_returns_keys_of_the_catalog_given():
     assert detect_device_type("AMD Radeon Graphics", base, arch="gfx942", memory_gib=191.98) == ""
     assert detect_device_type("AMD Radeon Graphics", base, arch="gfx1100", memory_gib=47.98) == "W7900"
     assert detect_device_type("AMD Radeon Graphics", base, arch="gfx1100") == "W7900"
+
+
+def test_docs_fp8_table_lists_every_fp8_device_with_its_format_and_peak():
+    text = DOCS.read_text()
+    section = text[text.index("## Device catalog"):text.index("## The cost model")]
+    lines = section.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| device | FP8 format |"))
+    rows = {}
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[re.match(r"`([^`]+)`", cells[0]).group(1)] = cells
+    assert set(rows) == {key for key, spec in CATALOG.items() if spec.fp8_format is not None}
+    for key, (_, fmt, peak, source) in rows.items():
+        assert (fmt, _number(peak)) == (CATALOG[key].fp8_format, CATALOG[key].peak_fp8_tflops), key
+        assert len(source) > 10, f"{key}: no source"

@@ -175,3 +175,24 @@ def test_two_h100s_at_seq_8192_pipeline_rather_than_split_the_layers(tmp_path):
     memory = next(row for row in proc.stdout.splitlines() if row.startswith("0 ")).split()
     assert abs(step_s - 6.87) / 6.87 < 0.05, line
     assert float(next(w for w in memory if "/" in w).split("/")[0]) >= 58.0  # never under the measured peak
+
+
+def test_fp8_plans_say_their_h200_costs_are_bf16_scaled_and_a100_groups_are_refused(tmp_path):
+    """No fp8 profile is measured yet: the H200's bf16 entries, scaled by the peak ratio, and
+    the plan says so; a group on a device without FP8 stops in one line."""
+    common = ["-m", "hetpipe.plan", "+model=llama8b", "cluster=gpu2_homogeneous", "train.seq_length=8192",
+              "train.micro_batch_size=1", "train.global_batch_size=32", "planner.schedule=1f1b"]
+    steps = {}
+    for precision in ("bf16", "fp8"):
+        proc = run_cli([*common, "cluster.groups.0.device_type=H200", f"train.precision={precision}",
+                        f"hydra.run.dir={tmp_path / precision}"], timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        steps[precision] = Plan.load(tmp_path / precision / "plan.yaml").notes["predicted_step_s"]
+    assert "costs: nvidia bf16 profile scaled to fp8 by the peak ratio (fp8 not measured)" in proc.stdout
+    assert steps["fp8"] < 0.8 * steps["bf16"]
+    proc = run_cli([*common, "cluster.groups.0.device_type=A100", "train.precision=fp8",
+                    f"hydra.run.dir={tmp_path / 'a100'}"], timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "hetpipe: error: train.precision=fp8 needs FP8 tensor cores, and group 'nvidia' runs on A100, which has "
+        "none (device catalog): set cluster.groups.0.precision=bf16 to train that group in bf16"]

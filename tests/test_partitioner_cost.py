@@ -138,3 +138,23 @@ def test_a_profile_prices_each_recompute_mode_it_measured():
     # Not measured: the measured layer plus the analytic difference.
     assert selective.activation_bytes[1] == none.activation_bytes[1] - 4 * 2 * 64 * model.num_attention_heads
     assert selective.backward_s[1] > none.backward_s[1] == pytest.approx(0.04)
+
+
+def test_fp8_prices_the_layers_gemms_at_the_fp8_peak_and_their_casts_as_working_memory():
+    from hetpipe.partitioner.cost import fp8_cast_bytes, fp8_layer_factor
+
+    h200, model = CATALOG["H200"], model_preset("llama8b")
+    bf16, fp8 = Precision.for_device(h200, "bf16", compiled=True), Precision.for_device(h200, "fp8")
+    assert fp8.name == "fp8" and fp8.working_copy_bytes == 2 and not fp8.fused_elementwise  # compiled layers
+    shape = StageShape(1, 1, 8192)
+    a = unit_costs(model, h200, shape, bf16, NetworkConfig())
+    b = unit_costs(model, h200, shape, fp8, NetworkConfig())
+    factor = fp8_layer_factor(model, 1, 8192, h200)
+    assert 0.55 < factor < 0.7  # GEMMs at 2x, the attention core at 1x
+    assert b.forward_s[1] == pytest.approx(a.forward_s[1] * factor)
+    assert b.backward_s[1] == pytest.approx(a.backward_s[1] * factor)
+    assert (b.forward_s[0], b.forward_s[-1]) == (a.forward_s[0], a.forward_s[-1])  # embedding, head: bf16
+    assert b.activation_bytes[1] == a.activation_bytes[1]  # torchao saves the linears' bf16 inputs
+    assert b.transient_bytes[1] - a.transient_bytes[1] == pytest.approx(
+        fp8_cast_bytes(model, 1, 8192, 1, a.params[1]))
+    assert fp8_layer_factor(model, 1, 8192, CATALOG["A100"]) == 1.0

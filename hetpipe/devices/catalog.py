@@ -1,7 +1,8 @@
 """Device catalog: what each accelerator can do, for MFU and for planning.
 
 Peak figures are the vendors' published dense (no sparsity) BF16 tensor-core
-numbers; memory is the card's capacity as marketed (GB, used as GiB); links
+numbers (and, for devices with FP8 tensor cores, the dense FP8 figure
+and which FP8 pair they compute in); memory is the card's capacity as marketed (GB, used as GiB); links
 are the per-GPU intra-node bandwidth (NVLink / Infinity Fabric, both
 directions added; the PCIe figure for cards without such a fabric) and the
 host link (PCIe, one direction). Each entry's source, a vendor datasheet or
@@ -35,6 +36,10 @@ from typing import Any, Mapping, Optional
 from hetpipe.errors import ConfigError
 
 DEVICE_VENDORS = ("nvidia", "amd", "cpu")
+# FP8 pairs by their e4m3 member: "e4m3fn" is OCP's e4m3fn/e5m2 (NVIDIA Ada,
+# Hopper, Blackwell; AMD MI350X/MI355X), "e4m3fnuz" the e4m3fnuz/e5m2fnuz pair
+# of AMD's MI300X and MI325X (what torchao casts to on ROCm there).
+FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,21 @@ class DeviceSpec:
     # Fraction of the dense peak a training step reaches (model FLOPs), used
     # when no measured profile exists. An assumption; see the module docstring.
     efficiency: float = 0.5
+    # Dense FP8 tensor-core peak and the FP8 pair the device computes in
+    # (FP8_FORMATS); None for both on a device without FP8 (train.precision=fp8
+    # refuses it).
+    peak_fp8_tflops: Optional[float] = None
+    fp8_format: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.vendor not in DEVICE_VENDORS:
             raise ConfigError(f"device {self.name!r}: vendor {self.vendor!r} is not one of {DEVICE_VENDORS}")
+        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
+            raise ConfigError(f"device {self.name!r}: fp8_format={self.fp8_format!r} is not one of "
+                              f"{', '.join(FP8_FORMATS)}")
+        if (self.fp8_format is None) != (self.peak_fp8_tflops is None):
+            raise ConfigError(f"device {self.name!r}: fp8_format and peak_fp8_tflops go together "
+                              "(both set for a device with FP8, neither for one without)")
         for field in ("peak_bf16_tflops", "memory_gib", "memory_bandwidth_tbs", "intra_node_link_gbs",
                       "host_link_gbs", "efficiency"):
             if not getattr(self, field) > 0:
@@ -91,29 +107,30 @@ class DeviceSpec:
 #
 # PCIe x16, one direction: Gen4 = 32 GB/s, Gen5 = 64 GB/s.
 CATALOG: dict[str, DeviceSpec] = {spec.name: spec for spec in (
-    # name, vendor, dense BF16 TFLOP/s, GB, TB/s, intra-node GB/s (bidir), host GB/s (one way), efficiency
+    # name, vendor, dense BF16 TFLOP/s, GB, TB/s, intra-node GB/s (bidir), host GB/s (one way), efficiency,
+    # dense FP8 TFLOP/s and FP8 format (none on Ampere, CDNA2, RDNA3 and the CPU)
     # HGX/DGX B200 at 1000 W: 180 GB of the package's 192 GB exposed; NVLink 5, 18 x 100 GB/s.
-    DeviceSpec("B200", "nvidia", 2250.0, 180.0, 8.0, 1800.0, 64.0, 0.55),
-    DeviceSpec("H100", "nvidia", 989.0, 80.0, 3.35, 900.0, 64.0, 0.55),     # H100 SXM5
+    DeviceSpec("B200", "nvidia", 2250.0, 180.0, 8.0, 1800.0, 64.0, 0.55, 4500.0, "e4m3fn"),
+    DeviceSpec("H100", "nvidia", 989.0, 80.0, 3.35, 900.0, 64.0, 0.55, 1979.0, "e4m3fn"),     # H100 SXM5
     # H100 PCIe (also taken for the H100 NVL, which is faster: see detect_device_type).
-    DeviceSpec("H100-PCIe", "nvidia", 756.0, 80.0, 2.0, 128.0, 64.0, 0.55),
-    DeviceSpec("H200", "nvidia", 989.0, 141.0, 4.8, 900.0, 64.0, 0.55),     # H200 SXM
-    DeviceSpec("H200-NVL", "nvidia", 835.0, 141.0, 4.8, 128.0, 64.0, 0.55),  # PCIe card, 600 W
+    DeviceSpec("H100-PCIe", "nvidia", 756.0, 80.0, 2.0, 128.0, 64.0, 0.55, 1513.0, "e4m3fn"),
+    DeviceSpec("H200", "nvidia", 989.0, 141.0, 4.8, 900.0, 64.0, 0.55, 1979.0, "e4m3fn"),     # H200 SXM
+    DeviceSpec("H200-NVL", "nvidia", 835.0, 141.0, 4.8, 128.0, 64.0, 0.55, 1671.0, "e4m3fn"),  # PCIe card, 600 W
     # China-market Hopper; NVIDIA's H20 brief is not on its public site, so
     # these are the figures its partners publish (96 GB part; a 141 GB one exists).
-    DeviceSpec("H20", "nvidia", 148.0, 96.0, 4.0, 900.0, 64.0, 0.55),
+    DeviceSpec("H20", "nvidia", 148.0, 96.0, 4.0, 900.0, 64.0, 0.55, 296.0, "e4m3fn"),
     DeviceSpec("A100", "nvidia", 312.0, 80.0, 2.039, 600.0, 32.0, 0.55),    # A100 80GB SXM4
     DeviceSpec("A100-40GB", "nvidia", 312.0, 40.0, 1.555, 600.0, 32.0, 0.55),  # A100 40GB SXM4
     DeviceSpec("A100-PCIe", "nvidia", 312.0, 80.0, 1.935, 64.0, 32.0, 0.55),   # A100 80GB PCIe
     DeviceSpec("A100-40GB-PCIe", "nvidia", 312.0, 40.0, 1.555, 64.0, 32.0, 0.55),
-    DeviceSpec("L40S", "nvidia", 362.0, 48.0, 0.864, 64.0, 32.0, 0.45),
-    DeviceSpec("RTX4090", "nvidia", 165.2, 24.0, 1.008, 64.0, 32.0, 0.55),
-    DeviceSpec("RTX5090", "nvidia", 209.5, 32.0, 1.792, 128.0, 64.0, 0.55),
+    DeviceSpec("L40S", "nvidia", 362.0, 48.0, 0.864, 64.0, 32.0, 0.45, 733.0, "e4m3fn"),
+    DeviceSpec("RTX4090", "nvidia", 165.2, 24.0, 1.008, 64.0, 32.0, 0.55, 330.3, "e4m3fn"),
+    DeviceSpec("RTX5090", "nvidia", 209.5, 32.0, 1.792, 128.0, 64.0, 0.55, 419.0, "e4m3fn"),
     # MI350X/MI355X: 256 CUs x 4096 BF16 FLOP/clock at 2.2 / 2.4 GHz; 7 x 153.6 GB/s links.
-    DeviceSpec("MI355X", "amd", 2516.6, 288.0, 8.0, 1075.2, 64.0, 0.40),
-    DeviceSpec("MI350X", "amd", 2306.9, 288.0, 8.0, 1075.2, 64.0, 0.40),
-    DeviceSpec("MI325X", "amd", 1307.4, 256.0, 6.0, 896.0, 64.0, 0.40),
-    DeviceSpec("MI300X", "amd", 1307.4, 192.0, 5.3, 896.0, 64.0, 0.40),
+    DeviceSpec("MI355X", "amd", 2516.6, 288.0, 8.0, 1075.2, 64.0, 0.40, 5033.2, "e4m3fn"),
+    DeviceSpec("MI350X", "amd", 2306.9, 288.0, 8.0, 1075.2, 64.0, 0.40, 4613.8, "e4m3fn"),
+    DeviceSpec("MI325X", "amd", 1307.4, 256.0, 6.0, 896.0, 64.0, 0.40, 2614.9, "e4m3fnuz"),
+    DeviceSpec("MI300X", "amd", 1307.4, 192.0, 5.3, 896.0, 64.0, 0.40, 2614.9, "e4m3fnuz"),
     # One GCD: half of the OAM's 383 TFLOP/s, 128 GB, 3.2 TB/s and 8 x 100 GB/s links.
     DeviceSpec("MI250X", "amd", 191.5, 64.0, 1.6, 400.0, 32.0, 0.40),
     DeviceSpec("MI210", "amd", 181.0, 64.0, 1.6, 64.0, 32.0, 0.40),       # PCIe card, CDNA2

@@ -21,7 +21,7 @@ import torch
 
 from hetpipe.models import CausalLM
 from hetpipe.models.split_backward import WeightBackward, backward_input, capture_output
-from hetpipe.models.precision import Bf16Weights, compute_context
+from hetpipe.models.precision import WORKING_COPY_MODES, Bf16Weights, compute_context
 from hetpipe.pipeline.actions import (
     BWD,
     BWD_INPUT,
@@ -112,9 +112,9 @@ class PipelineEngine:
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype
         self.device = device
-        # See hetpipe.models.precision: "bf16" runs on ``weights`` (the working copies).
-        if precision == "bf16" and weights is None:
-            raise ValueError("precision 'bf16' needs the chunks' Bf16Weights")
+        # See hetpipe.models.precision: "bf16" and "fp8" run on ``weights`` (the working copies).
+        if precision in WORKING_COPY_MODES and weights is None:
+            raise ValueError(f"precision {precision!r} needs the chunks' Bf16Weights")
         self.precision = precision
         self.weights = weights
         self.recv_ahead = recv_ahead
