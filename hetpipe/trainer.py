@@ -44,8 +44,11 @@ from hetpipe.sample_log import SampleLog
 from hetpipe.token_loss import TokenWeights, step_weights
 from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
+from hetpipe.models.documents import DocumentRule
+from hetpipe.models.transformer import set_document_masking
+from hetpipe.data.tokenizer import load_tokenizer
 from hetpipe.models.flops import megatron_model_flops
-from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
+from hetpipe.models.layers import elementwise_kernels, fuse_elementwise, set_attention_backend, use_liger
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import allow_retained_graphs
@@ -203,7 +206,7 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
         topo.close()
 
 
-def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
+def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology, precision: str) -> list:
     """This rank's model chunks: built whole from the seed, then cut to its TP shard.
     Chunk c holds the units of the virtual stage the plan's placement gives it."""
     ranges = plan.unit_ranges()
@@ -216,11 +219,17 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
         if topo.tp_size > 1:
             chunk = parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
                                        sequence_parallel=cfg.partition.sequence_parallel)
-        set_attention_backend(chunk, cfg.train.attention_backend, cfg.train.deterministic)
+        set_attention_backend(chunk, cfg.train.attention_backend, cfg.train.deterministic, topo.device, topo.rank,
+                              half=precision != "fp32")
+        set_document_masking(chunk, _document_rule(cfg))
         stage = plan.stages[v]
         set_recompute(chunk, stage.recompute, stage.recompute_num_layers)
-        if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile):
+        kernels = elementwise_kernels(cfg.train.fuse_elementwise, topo.device.type, cfg.train.compile,
+                                      device_kind=_device_kind(topo.device))
+        if kernels != "none":
             fuse_elementwise(chunk)
+            if kernels == "liger":
+                use_liger(chunk)
             if c == 0 and topo.local_rank == 0 and detect_vendor() == "amd":
                 print("hetpipe: note: fused elementwise kernels (Triton on ROCm) are not verified on AMD "
                       "hardware; train.fuse_elementwise=false runs the eager kernels", flush=True)
@@ -229,6 +238,19 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology) -> list:
                 layer.compile()
         chunks.append(chunk)
     return chunks
+
+
+def _device_kind(device: torch.device) -> Optional[str]:
+    """The catalog's name for this rank's GPU (None on CPUs or an unknown GPU)."""
+    return None if device.type == "cpu" else detect_device_type(accelerator_name())
+
+
+def _document_rule(cfg: PretrainConfig) -> Optional[DocumentRule]:
+    """data.reset_attention_mask / reset_position_ids, at the data's end-of-document id."""
+    if not (cfg.data.reset_attention_mask or cfg.data.reset_position_ids):
+        return None
+    eod = load_tokenizer(cfg.data.tokenizer).eod
+    return DocumentRule(eod, cfg.data.reset_attention_mask, cfg.data.reset_position_ids)
 
 
 def _recv_ahead(cfg: PretrainConfig, topo: Topology) -> int:
@@ -330,7 +352,7 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
-    chunks = _build_chunks(cfg, plan, topo)
+    chunks = _build_chunks(cfg, plan, topo, precision)
     if precision == "bf16-pure":
         cast_parameters(chunks, torch.bfloat16)  # before the reducer's buffers and the optimizer's state
         if t.grad_accumulation_fusion and not t.compile:
