@@ -211,3 +211,15 @@ def test_document_masking_through_a_tp2_pipeline_across_vendor_groups(tmp_path, 
                       "partition.tp_per_group=[2,1]", "partition.layers=[1,3]")
     assert len(single) == STEPS and pipelined == pytest.approx(single, rel=1e-5)
     assert abs(single[0] - plain[0]) > 1e-4  # the corpus's samples hold document ends
+
+
+def test_bench_attention_prints_every_row_and_skips_what_this_machine_lacks():
+    """scripts/bench_attention.py (the lead's one GPU call) on a CPU with a tiny model."""
+    proc = run_cli(["scripts/bench_attention.py", "--device", "cpu", "--model", "tiny_llama", "--seqs", "32",
+                    "--iters", "1", "--warmup", "1"], timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    kernels = ["cudnn", "fa4", "flash_det", "fa4_det", "fa4_docs"]
+    cells = [r.strip("| ").split(" | ") for r in rows]
+    assert [c[2] for c in cells[:5]] == kernels and float(cells[0][3]) > 0
+    assert "FA4 not installed" in rows[1] and len(rows) == 5 + 6

@@ -156,7 +156,7 @@ def test_attention_backend_is_preferred_and_falls_back(one_thread):
     assert sdpa_preference("auto") is None
     cudnn = sdpa_preference("cudnn")
     assert cudnn[0] == SDPBackend.CUDNN_ATTENTION and len(set(cudnn)) == 4 and SDPBackend.MATH in cudnn
-    with pytest.raises(ConfigError, match="train.attention_backend='fa3' must be one of auto, cudnn"):
+    with pytest.raises(ConfigError, match="train.attention_backend='fa3' must be one of auto, fa4, cudnn"):
         sdpa_preference("fa3")
     with pytest.raises(ConfigError, match="train.attention_backend='fa3'"):
         TrainConfig(attention_backend="fa3")
