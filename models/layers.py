@@ -38,9 +38,9 @@ from torch.utils.checkpoint import checkpoint
 from hetpipe.errors import ConfigError
 from hetpipe.models.attention import (ATTENTION_BACKENDS, DeviceFacts, Kernel, SdpaKernel,  # noqa: F401 - re-exported
                                       choose_kernel, fa4_installed, sdpa_preference)
-from hetpipe.models import liger
 from hetpipe.models.documents import Documents
 from hetpipe.models.liger import LIGER_INSTALL, liger_installed
+from hetpipe.models.liger import rms_norm as liger_rms_norm, swiglu as liger_swiglu
 from hetpipe.models.families import spec_of
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.torch_compat import triton_available
@@ -86,7 +86,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.liger:
-            return liger.rms_norm(x, self.weight, self.eps)
+            return liger_rms_norm(x, self.weight, self.eps)
         return (compile_pure(rms_norm) if self.fused else rms_norm)(x, self.weight, self.eps)
 
 
@@ -294,7 +294,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.liger:
-            return self.down(liger.swiglu(self.gate_up(x)))
+            return self.down(liger_swiglu(self.gate_up(x)))
         return self.down((compile_pure(swiglu) if self.fused else swiglu)(self.gate_up(x)))
 
 

@@ -22,7 +22,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.documents import DocumentRule, Documents, find_documents
 from hetpipe.models.layers import DecoderLayer, RMSNorm, model_rope_frequencies, rope_cos_sin, rope_cos_sin_at
-from hetpipe.models import liger
+from hetpipe.models.liger import linear_cross_entropy as liger_linear_cross_entropy
 from hetpipe.models.loss import IGNORE_INDEX, fused_linear_cross_entropy
 
 
@@ -89,7 +89,7 @@ class Head(nn.Module):
         else:
             compute_dtype = h.dtype
         if self.liger:
-            return liger.linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
+            return liger_linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
                                               compute_dtype, IGNORE_INDEX)
         return fused_linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
                                           chunk_tokens=self.chunk_tokens, compute_dtype=compute_dtype,

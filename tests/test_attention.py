@@ -131,7 +131,8 @@ def _loss_and_grads(cfg, tokens, kernel, rule=None, recompute="none"):
 
 
 @pytest.mark.parametrize("rule, recompute", [(None, "none"), (DocumentRule(EOD, True, True), "none"),
-                                             (DocumentRule(EOD, True, False), "selective")])
+                                             (DocumentRule(EOD, True, False), "selective"),
+                                             (DocumentRule(EOD, True, True), "full")])
 def test_fa4_path_trains_like_sdpa_with_gqa_documents_and_recompute(one_thread, fa4, rule, recompute):
     cfg = model_preset("tiny_llama")  # 4 query heads on 2 KV heads
     tokens = _packed_batch(cfg)
