@@ -34,8 +34,9 @@ device work:
   algorithms per size, past ``NCCL_ALGO``. A variable the user set is kept.
   Point-to-point boundaries (NCCL send/recv, hetpipe's channels) move bytes
   exactly and need nothing.
-* Attention: SDPA backends with a deterministic backward only, flash first
-  (``hetpipe.models.layers.sdpa_preference``).
+* Attention: FlashAttention-4 with ``deterministic=True`` (its deterministic
+  backward) where the rank runs FA4; else SDPA backends with a deterministic
+  backward only, flash first (``hetpipe.models.attention``).
 * No GEMM SM carveout (:func:`gemm_sm_carveout`): cuBLAS is reproducible for
   a fixed number of SMs, and the carveout leaves SMs out on ranks with an NCCL
   boundary only (and sends their GEMMs to cuBLASLt), so an NCCL run and a

@@ -20,7 +20,8 @@ from hetpipe.data.sources import parse_data_path
 from hetpipe.data.split import parse_split
 from hetpipe.errors import ConfigError, config_error_from
 from hetpipe.models.model_config import ModelConfig, preset_names
-from hetpipe.models.layers import sdpa_preference
+from hetpipe.models.attention import check_attention_backend
+from hetpipe.models.layers import elementwise_mode
 from hetpipe.models.recompute import check_recompute
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.models.fp8 import FP8_RECIPES
@@ -67,16 +68,25 @@ class TrainConfig:
     grad_accumulation_fusion: bool = True
     # torch.compile each decoder layer (Module.compile).
     compile: bool = False
-    # Compile only the elementwise work (RMSNorm, residual add + norm, RoPE,
-    # SwiGLU, the loss's per-chunk math) into fused kernels; GEMMs and
-    # attention stay eager.
-    # None (auto): on for CUDA ranks with Triton, unless train.compile is on.
-    # See hetpipe/models/layers.py.
-    fuse_elementwise: Optional[bool] = None
-    # The SDPA backend the decoder layers prefer: auto (torch's choice; cuDNN
-    # on H100/H200 with torch 2.11), cudnn, flash, efficient or math. The
-    # others stay allowed behind it, so a rank that lacks it (cuDNN on ROCm)
-    # falls back rather than failing (Megatron's --attention-backend).
+    # Fused kernels for the elementwise work (RMSNorm, residual add + norm,
+    # RoPE, SwiGLU, the loss's per-chunk math); GEMMs and attention stay as
+    # they are. compile (or true): torch.compile of those functions; liger:
+    # liger-kernel's Triton kernels for RMSNorm, SwiGLU and the head's
+    # cross-entropy (package liger-kernel, the hetpipe[kernels] extra; CUDA
+    # and ROCm GPUs), RoPE compiled; none (or false): eager. auto (or null):
+    # none on CPUs and under train.compile, else per device from the table in
+    # hetpipe/models/layers.py (LIGER_AUTO_DEVICES, measured in
+    # docs/benchmarks.md): compile everywhere until liger is measured faster.
+    fuse_elementwise: Any = None
+    # The attention kernel of the decoder layers (issue 42's
+    # model.attention_backend; Megatron's --attention-backend; see
+    # hetpipe/models/attention.py): fa4 (FlashAttention-4, package
+    # flash-attn-4, the hetpipe[kernels] extra: SM90/SM100 GPUs only; a rank
+    # without it stops before step 1), or the SDPA backend preferred: cudnn,
+    # flash, efficient or math, the others allowed behind it so that a rank
+    # lacking it (cuDNN on ROCm) falls back rather than failing. auto: FA4
+    # where it is installed and the GPU is SM90/SM100, else torch's SDPA
+    # choice (cuDNN on H100/H200 with torch 2.11); ROCm runs SDPA's backends.
     attention_backend: str = "auto"
     # Two runs of one configuration on one machine give the same bits:
     # deterministic kernels (torch.use_deterministic_algorithms; an op without
@@ -169,7 +179,8 @@ class TrainConfig:
             raise ConfigError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"train.fp8_recipe={self.fp8_recipe!r} must be one of {', '.join(FP8_RECIPES)}")
-        sdpa_preference(self.attention_backend)  # raises ConfigError naming the bad value
+        check_attention_backend(self.attention_backend)
+        elementwise_mode(self.fuse_elementwise)
         check_recompute(self.recompute, self.recompute_num_layers)
         if self.max_skipped_steps < 1:
             raise ConfigError(f"train.max_skipped_steps={self.max_skipped_steps} must be positive")
@@ -293,6 +304,14 @@ class DataConfig:
     # step from 43 to 54 ms and the count took 11 ms (per microbatch, so a
     # rank of DP 8 pays an eighth).
     eod_mask_loss: bool = False
+    # Megatron's --reset-attention-mask: each packed document attends only
+    # within itself (block-causal; an end-of-document token belongs to the
+    # document it ends), through FlashAttention-4's varlen kernel or SDPA with
+    # a block-causal mask (hetpipe/models/documents.py, models/attention.py).
+    reset_attention_mask: bool = False
+    # Megatron's --reset-position-ids: positions (RoPE) restart at 0 after
+    # each end-of-document token. LLaMA 3 pretrained with both.
+    reset_position_ids: bool = False
 
     def __post_init__(self) -> None:
         parse_data_path(self.path, "data.path")

@@ -46,8 +46,11 @@ from hetpipe.schedule_change import reconcile_schedule, schedule_record
 from hetpipe.token_loss import TokenWeights, step_weights
 from hetpipe.straggler import StragglerReport
 from hetpipe.models import build_model
+from hetpipe.models.documents import DocumentRule
+from hetpipe.models.transformer import set_document_masking
+from hetpipe.data.tokenizer import load_tokenizer
 from hetpipe.models.flops import megatron_model_flops
-from hetpipe.models.layers import fuse_elementwise, fuses_elementwise, set_attention_backend
+from hetpipe.models.layers import elementwise_kernels, fuse_elementwise, set_attention_backend, use_liger
 from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import allow_retained_graphs
@@ -213,7 +216,7 @@ def run_rank(cfg_dict: dict, plan_yaml: str, run_dir: str) -> list[float]:
         topo.close()
 
 
-def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology, fp8: Optional[str]) -> list:
+def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology, precision: str, fp8: Optional[str]) -> list:
     """This rank's model chunks: built whole from the seed, then cut to its TP shard.
     Chunk c holds the units of the virtual stage the plan's placement gives it.
     ``fp8``: the FP8 format its decoder linears compute in (train.precision=fp8)."""
@@ -227,14 +230,20 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology, fp8: Optional
         if topo.tp_size > 1:
             chunk = parallelize_tensor(chunk, topo.tp_group, topo.tp_size, topo.tp_rank,
                                        sequence_parallel=cfg.partition.sequence_parallel)
-        set_attention_backend(chunk, cfg.train.attention_backend, cfg.train.deterministic)
+        set_attention_backend(chunk, cfg.train.attention_backend, cfg.train.deterministic, topo.device, topo.rank,
+                              half=precision != "fp32")
+        set_document_masking(chunk, _document_rule(cfg))
         stage = plan.stages[v]
         set_recompute(chunk, stage.recompute, stage.recompute_num_layers)
         if fp8 is not None:
             _convert_to_fp8(chunk, cfg.train.fp8_recipe, fp8, topo, note=c == 0)
         compiled = compiles_layers(cfg.train.compile, fp8 is not None, topo.device.type)
-        if fuses_elementwise(cfg.train.fuse_elementwise, topo.device.type, compiled):
+        kernels = elementwise_kernels(cfg.train.fuse_elementwise, topo.device.type, compiled,
+                                      device_kind=_device_kind(topo.device))
+        if kernels != "none":
             fuse_elementwise(chunk)
+            if kernels == "liger":
+                use_liger(chunk)
             if c == 0 and topo.local_rank == 0 and detect_vendor() == "amd":
                 print("hetpipe: note: fused elementwise kernels (Triton on ROCm) are not verified on AMD "
                       "hardware; train.fuse_elementwise=false runs the eager kernels", flush=True)
@@ -258,6 +267,19 @@ def _fp8_format(train_precision: str, topo: Topology) -> str:
     """The FP8 pair this rank's device computes in (its catalog entry's), or the one-line refusal."""
     kind = device_facts(topo.device, topo.catalog, free=False).device_type
     return fp8_format(train_precision, topo.group.precision, topo.group_index, topo.group.name, kind, topo.catalog)
+
+
+def _device_kind(device: torch.device) -> Optional[str]:
+    """The catalog's name for this rank's GPU (None on CPUs or an unknown GPU)."""
+    return None if device.type == "cpu" else detect_device_type(accelerator_name())
+
+
+def _document_rule(cfg: PretrainConfig) -> Optional[DocumentRule]:
+    """data.reset_attention_mask / reset_position_ids, at the data's end-of-document id."""
+    if not (cfg.data.reset_attention_mask or cfg.data.reset_position_ids):
+        return None
+    eod = load_tokenizer(cfg.data.tokenizer).eod
+    return DocumentRule(eod, cfg.data.reset_attention_mask, cfg.data.reset_position_ids)
 
 
 def _recv_ahead(cfg: PretrainConfig, topo: Topology) -> int:
@@ -366,7 +388,7 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
     loader = _loader(cfg, topo.dp_rank, topo.dp_size)
     P = plan.pipeline_size
-    chunks = _build_chunks(cfg, plan, topo, fp8)
+    chunks = _build_chunks(cfg, plan, topo, precision, fp8)
     compiled = compiles_layers(t.compile, fp8 is not None, device.type)
     if precision == "bf16-pure":
         cast_parameters(chunks, torch.bfloat16)  # before the reducer's buffers and the optimizer's state

@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.attention import (ATTENTION_BACKENDS, DeviceFacts, Kernel, SdpaKernel,  # noqa: F401 - re-exported
+                                      choose_kernel, fa4_installed, sdpa_preference)
+from hetpipe.models.documents import Documents
+from hetpipe.models.liger import LIGER_INSTALL, liger_installed
+from hetpipe.models.liger import rms_norm as liger_rms_norm, swiglu as liger_swiglu
 from hetpipe.models.families import spec_of
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.torch_compat import triton_available
@@ -71,8 +75,9 @@ def compile_pure(fn):
 
 
 class RMSNorm(nn.Module):
-    # Set per instance by fuse_elementwise().
+    # Set per instance by fuse_elementwise() and use_liger().
     fused = False
+    liger = False
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -80,6 +85,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.liger:
+            return liger_rms_norm(x, self.weight, self.eps)
         return (compile_pure(rms_norm) if self.fused else rms_norm)(x, self.weight, self.eps)
 
 
@@ -136,6 +143,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _over_heads(table: torch.Tensor) -> torch.Tensor:
+    """A per-sample table [b, s, d] as [b, 1, s, d], to rotate [b, heads, s, d];
+    a shared [s, d] broadcasts as it is."""
+    return table.unsqueeze(1) if table.dim() == 3 else table
+
+
+def rope_cos_sin_at(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin tables [b, s, head_dim] for positions [b, s] (documents' own
+    positions); equal to :func:`rope_cos_sin`'s rows at those positions."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, heads, seq, head_dim] by the position tables."""
     return x * cos + _rotate_half(x) * sin
@@ -154,7 +175,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     q = q.view(batch, seq, heads, head_dim)
     k = k.view(batch, seq, groups, head_dim)
     v = v.view(batch, seq, groups, head_dim)
-    cos, sin = cos.to(qkv.dtype)[:, None, :], sin.to(qkv.dtype)[:, None, :]
+    cos, sin = cos.to(qkv.dtype).unsqueeze(-2), sin.to(qkv.dtype).unsqueeze(-2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 
@@ -169,81 +190,48 @@ def qk_norm_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
     q = rms_norm(q.view(batch, seq, heads, head_dim), q_weight, eps)
     k = rms_norm(k.view(batch, seq, groups, head_dim), k_weight, eps)
     v = v.view(batch, seq, groups, head_dim)
-    cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]
+    cos, sin = cos.to(q.dtype).unsqueeze(-2), sin.to(q.dtype).unsqueeze(-2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+def set_attention_backend(model: nn.Module, backend: str, deterministic: bool = False,
+                          device: Optional[torch.device] = None, rank: int = 0, half: bool = True) -> None:
+    """Give every attention module of ``model`` the kernel ``train.attention_backend=backend``
+    chooses on ``device`` (default: the model's), deterministic ones when ``deterministic``,
+    for attention in bf16/fp16 (``half``) or fp32 (hetpipe.models.attention)."""
+    if device is None:
+        device = next(model.parameters()).device
+    facts = DeviceFacts.of(device)
+    use_attention_kernel(model, choose_kernel(backend, deterministic, facts, fa4_installed(), rank, half))
 
 
-def sdpa_preference(backend: str, deterministic: bool = False) -> Optional[tuple]:
-    """The SDPA backends to try, best first, for ``train.attention_backend``
-    (None: torch's own order). The chosen one goes first and the others stay
-    allowed behind it, so a rank whose build or GPU lacks it (cuDNN on ROCm, a
-    shape the kernel refuses) runs the next one instead of failing: one
-    setting serves every vendor group of a mixed cluster.
-
-    ``deterministic`` (train.deterministic) keeps only backends whose backward
-    is deterministic under ``torch.use_deterministic_algorithms(True)``, flash
-    first where the choice was auto or cudnn: flash's backward then takes
-    FlashAttention-2's deterministic path, efficient's splits no keys (CUDA:
-    torch forces ``num_splits_key=1``), math is plain ops; cuDNN's backward has
-    no deterministic mode in torch 2.11-2.15 (torch skips it under the flag,
-    and a cuDNN-only choice raises). ROCm builds also leave efficient out:
-    torch's CK path for it passes ``deterministic=false`` whatever the flag
-    (pytorch/pytorch#197771, open)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"train.attention_backend={backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
-    if deterministic:
-        return _deterministic_sdpa(backend)
-    if backend == "auto":
-        return None
-    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    return (order[backend],) + tuple(b for name, b in order.items() if name != backend)
-
-
-def _deterministic_sdpa(backend: str) -> tuple:
-    order = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "math": SDPBackend.MATH}
-    if torch.version.hip:
-        del order["efficient"]
-    first = order.get(backend, SDPBackend.FLASH_ATTENTION)
-    return (first,) + tuple(b for b in order.values() if b != first)
-
-
-def set_attention_backend(model: nn.Module, backend: str, deterministic: bool = False) -> None:
-    """Make every attention module of ``model`` prefer SDPA backend ``backend``
-    (among the deterministic ones when ``deterministic``)."""
-    preference = sdpa_preference(backend, deterministic)
+def use_attention_kernel(model: nn.Module, kernel: Kernel) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
-            module.sdpa_backends = preference
+            module.kernel = kernel
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention through scaled_dot_product_attention."""
+    """Causal grouped-query self-attention; the core runs the kernel
+    hetpipe.models.attention chose for this rank."""
 
     fused = False
-    # Set per instance by set_attention_backend(); None: torch's own choice.
-    sdpa_backends: Optional[tuple] = None
+    # Set per instance by set_attention_backend(); by default SDPA in torch's own order.
+    kernel: Kernel = SdpaKernel()
     # Set per instance by hetpipe.models.recompute.set_recompute (train.recompute=selective).
     recompute_core = False
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def sdpa_backends(self) -> Optional[tuple]:
+        """The SDPA backends the kernel tries, best first (None: torch's order, or FA4)."""
+        return self.kernel.backends if isinstance(self.kernel, SdpaKernel) else None
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                docs: Optional[Documents]) -> torch.Tensor:
         if self.recompute_core:
             # The attention core reruns in the backward from the q, k, v it keeps.
-            return checkpoint(self._sdpa_core, q, k, v, use_reentrant=False)
-        return self._sdpa_core(q, k, v)
-
-    def _sdpa_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        gqa = self.num_groups != self.num_heads
-        if self.sdpa_backends is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        # The backward runs the kernel the forward picked (autograd records
-        # the backend's own op), so only the forward needs the context.
-        with sdpa_kernel(list(self.sdpa_backends), set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return checkpoint(self.kernel, q, k, v, docs, use_reentrant=False)
+        return self.kernel(q, k, v, docs)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -268,13 +256,16 @@ class Attention(nn.Module):
         return compile_pure(qk_norm_rope_qkv)(qkv, cos, sin, self.num_heads, self.num_groups, self.head_dim,
                                               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[Documents] = None) -> torch.Tensor:
+        """x [b, s, hidden]; cos/sin [s, head_dim], or [b, s, head_dim] where
+        positions restart per document; docs: the microbatch's documents (block-causal)."""
         batch, seq, _ = x.shape
         if self.fused:
             # [b, s, h, d] views transposed to [b, h, s, d]: the layout SDPA's
             # kernels take without a copy.
             q, k, v = self._fused_qkv(self.qkv(x), cos, sin)
-            y = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            y = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), docs)
             return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
@@ -286,14 +277,15 @@ class Attention(nn.Module):
         # The tables come in the residual stream's dtype (fp32); under autocast
         # q/k are bf16, and rotating them in bf16 (as Hugging Face's bf16
         # models do) keeps fp32 copies of q and k out of the saved activations.
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        cos, sin = _over_heads(cos.to(q.dtype)), _over_heads(sin.to(q.dtype))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self._sdpa(q, k, v)
+        y = self._attend(q, k, v, docs)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class SwiGLU(nn.Module):
     fused = False
+    liger = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -301,6 +293,8 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.liger:
+            return self.down(liger_swiglu(self.gate_up(x)))
         return self.down((compile_pure(swiglu) if self.fused else swiglu)(self.gate_up(x)))
 
 
@@ -316,8 +310,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        attended = self.attention(self.input_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[Documents] = None) -> torch.Tensor:
+        attended = self.attention(self.input_norm(x), cos, sin, docs)
         if self.fused:
             norm = self.post_attention_norm
             x, h = compile_pure(add_rms_norm)(x, attended, norm.weight, norm.eps)
@@ -353,23 +348,79 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> None:
             module.fused = enabled
 
 
-def fuses_elementwise(setting: Optional[bool], device_type: str, compiled: bool,
-                      local: bool = True) -> bool:
-    """Whether ranks on ``device_type`` run the fused path for
-    ``train.fuse_elementwise=setting`` (None: automatic) and ``train.compile=compiled``.
+ELEMENTWISE_KERNELS = ("auto", "compile", "liger", "none")
+# GPU kinds (hetpipe.devices.catalog's names) whose ``auto`` takes liger's
+# kernels instead of torch.compile's: those where docs/benchmarks.md ("Fused
+# kernels: torch.compile against liger", scripts/bench_attention.py) measures
+# liger faster for RMSNorm, SwiGLU and the cross-entropy together. Empty
+# until that is measured on GPUs: ``auto`` is the compile path everywhere.
+LIGER_AUTO_DEVICES: frozenset[str] = frozenset()
 
-    Automatic: on for GPUs, off for CPUs (the CPU backend compiles C++, slow to
-    build for the speed it brings) and under ``train.compile`` (whole layers are
-    compiled anyway). ``local``: the GPU is this process's, so Triton's absence
-    turns the automatic choice off and an explicit ``true`` into an error; the
-    planner, reasoning about a cluster's devices, passes False and assumes it.
-    """
-    if setting is None:
-        return device_type != "cpu" and not compiled and (not local or _has_triton())
-    if setting and local and device_type != "cpu" and not _has_triton():
-        raise ConfigError("train.fuse_elementwise=true compiles kernels with Triton, which this "
-                          "machine's torch cannot use; set train.fuse_elementwise=false")
+
+def elementwise_mode(setting: Any) -> str:
+    """``train.fuse_elementwise`` as one of ELEMENTWISE_KERNELS: null is auto,
+    true compile, false none (its values before liger); ConfigError otherwise."""
+    if setting is None or isinstance(setting, bool):
+        return {None: "auto", True: "compile", False: "none"}[setting]
+    if setting not in ELEMENTWISE_KERNELS:
+        raise ConfigError(f"train.fuse_elementwise={setting!r} must be one of {', '.join(ELEMENTWISE_KERNELS)} "
+                          "(or null, true, false: auto, compile, none)")
     return setting
+
+
+def elementwise_kernels(setting: Any, device_type: str, compiled: bool, local: bool = True,
+                        device_kind: Optional[str] = None) -> str:
+    """The kernels ranks on ``device_type`` (catalog kind ``device_kind``) run for
+    ``train.fuse_elementwise=setting`` and ``train.compile=compiled``: compile,
+    liger or none.
+
+    Automatic: none on CPUs (the CPU backend compiles C++, slow to build for
+    the speed it brings) and under ``train.compile`` (whole layers are
+    compiled anyway); on GPUs liger where LIGER_AUTO_DEVICES lists the kind
+    and liger is installed, else compile. ``local``: the GPU is this
+    process's, so Triton's or liger's absence turns the automatic choice off
+    and an explicit one into an error; the planner, reasoning about a
+    cluster's devices, passes False and assumes them.
+    """
+    mode = elementwise_mode(setting)
+    if mode == "auto":
+        if device_type == "cpu" or compiled:
+            return "none"
+        if device_kind in LIGER_AUTO_DEVICES and (not local or liger_installed()):
+            return "liger"
+        return "compile" if not local or _has_triton() else "none"
+    if local and mode == "liger":
+        _check_liger(device_type)
+    if local and mode == "compile" and device_type != "cpu" and not _has_triton():
+        raise ConfigError(f"train.fuse_elementwise={str(setting).lower()} compiles kernels with Triton, which "
+                          "this machine's torch cannot use; set train.fuse_elementwise=false")
+    return mode
+
+
+def _check_liger(device_type: str) -> None:
+    if device_type == "cpu":
+        raise ConfigError("train.fuse_elementwise=liger: liger-kernel's Triton kernels run on CUDA and ROCm "
+                          "GPUs, not on this rank's CPU; use compile or none")
+    if not liger_installed():
+        raise ConfigError(f"train.fuse_elementwise=liger: liger-kernel is not installed on this rank's "
+                          f"machine: {LIGER_INSTALL}")
+
+
+def fuses_elementwise(setting: Any, device_type: str, compiled: bool, local: bool = True) -> bool:
+    """Whether ranks on ``device_type`` run fused elementwise kernels of either
+    kind (:func:`elementwise_kernels`) for ``train.fuse_elementwise=setting``."""
+    return elementwise_kernels(setting, device_type, compiled, local) != "none"
+
+
+def use_liger(model: nn.Module) -> None:
+    """Run RMSNorm, SwiGLU and the head's cross-entropy of ``model`` on liger's
+    kernels (hetpipe.models.liger); RoPE keeps its compiled kernel, and the
+    residual add before the second norm runs eagerly so that the norm is liger's."""
+    for module in model.modules():
+        if isinstance(getattr(type(module), "liger", None), bool):
+            module.liger = True
+        if isinstance(module, DecoderLayer):
+            module.fused = False
 
 
 def _has_triton() -> bool:

@@ -9,7 +9,8 @@ microbatch in bf16, times the microbatches 1F1B keeps in flight). The modes
 ``none``
     Every layer keeps its activations.
 ``selective``
-    The attention core - softmax(QK^T)V, the SDPA call - runs under
+    The attention core - softmax(QK^T)V, the attention kernel's call
+    (SDPA or FlashAttention-4, hetpipe.models.attention) - runs under
     checkpointing and reruns in the backward from the q, k, v it keeps; the
     projections, RoPE, norms and MLP keep theirs. This is Megatron's
     selective granularity (Korthikanti et al. 2022, "Reducing Activation
@@ -104,14 +105,14 @@ def set_recompute(chunk: nn.Module, mode: str, num_layers: Optional[int] = None)
 
 
 def _full_recompute_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor) -> torch.Tensor:
+                            sin: torch.Tensor, docs=None) -> torch.Tensor:
     at_forward = _state(layer)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return contextlib.nullcontext(), _installed(at_forward)
 
     # preserve_rng_state: the rerun sees the forward's RNG state (see the module docstring).
-    return checkpoint(type(layer).forward, layer, x, cos, sin, use_reentrant=False, preserve_rng_state=True,
+    return checkpoint(type(layer).forward, layer, x, cos, sin, docs, use_reentrant=False, preserve_rng_state=True,
                       context_fn=contexts)
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
+from hetpipe.models.layers import Attention, RMSNorm, SwiGLU
 from hetpipe.models.loss import IGNORE_INDEX
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.transformer import CausalLM, Embedding, Head
@@ -55,9 +55,9 @@ class TensorParallelAttention(Attention):
         for name, module in (whole or {}).items():
             setattr(self, name, module)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
         x = enter_column_parallel(x, self.tp)
-        return leave_row_parallel(super().forward(x, cos, sin), self.tp)
+        return leave_row_parallel(super().forward(x, cos, sin, docs), self.tp)
 
 
 class TensorParallelSwiGLU(SwiGLU):
@@ -166,7 +166,8 @@ class TensorParallelCausalLM(CausalLM):
     def tp_sequence_parallel(self) -> bool:
         return self.tp.sequence_parallel
 
-    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         tp = self.tp
         seq_length = inputs.shape[1]
         if tp.sequence_parallel and seq_length % tp.size:
@@ -179,10 +180,10 @@ class TensorParallelCausalLM(CausalLM):
         else:
             x = inputs
         if self.layers:
-            # RoPE tables cover the whole sequence: attention sees it gathered.
-            cos, sin = rope_cos_sin(self.inv_freq, seq_length, x.dtype)
+            # RoPE tables and documents cover the whole sequence: attention sees it gathered.
+            cos, sin, docs = self.rope_and_documents(x, inputs, tokens)
             for layer in self.layers.values():
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, docs)
         if self.head is None:
             if tp.sequence_parallel:
                 # The next stage's gradient is full and identical on every TP rank.

@@ -20,8 +20,10 @@ from torch import nn
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.models.layers import DecoderLayer, RMSNorm, model_rope_frequencies, rope_cos_sin
-from hetpipe.models.loss import fused_linear_cross_entropy
+from hetpipe.models.documents import DocumentRule, Documents, find_documents
+from hetpipe.models.layers import DecoderLayer, RMSNorm, model_rope_frequencies, rope_cos_sin, rope_cos_sin_at
+from hetpipe.models.liger import linear_cross_entropy as liger_linear_cross_entropy
+from hetpipe.models.loss import IGNORE_INDEX, fused_linear_cross_entropy
 
 
 def unit_generator(seed: int, unit: int, device: torch.device) -> torch.Generator:
@@ -51,6 +53,8 @@ class Head(nn.Module):
 
     # Set per instance by fuse_elementwise(): the loss's chunk math compiled.
     fused = False
+    # Set per instance by use_liger(): liger's fused linear cross-entropy instead.
+    liger = False
     # Tokens per loss chunk; None: hetpipe.models.loss picks them (benchmarks set it).
     chunk_tokens: Optional[int] = None
 
@@ -84,6 +88,9 @@ class Head(nn.Module):
             compute_dtype = torch.get_autocast_dtype(device_type)
         else:
             compute_dtype = h.dtype
+        if self.liger:
+            return liger_linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
+                                              compute_dtype, IGNORE_INDEX)
         return fused_linear_cross_entropy(h.flatten(0, -2), self.output_weight, labels.flatten(),
                                           chunk_tokens=self.chunk_tokens, compute_dtype=compute_dtype,
                                           fused=self.fused)
@@ -91,6 +98,9 @@ class Head(nn.Module):
 
 class CausalLM(nn.Module):
     """The whole model, or the contiguous slice of units [start, stop)."""
+
+    # Set per instance by set_document_masking(); None: every row is one causal sequence.
+    document_rule: Optional[DocumentRule] = None
 
     def __init__(self, cfg: ModelConfig, units: Optional[tuple[int, int]] = None) -> None:
         super().__init__()
@@ -120,20 +130,40 @@ class CausalLM(nn.Module):
     def is_last(self) -> bool:
         return self.head is not None
 
-    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; loss, logits or hidden states out.
 
         The last slice returns the scalar loss when ``labels`` is given and the
         logits otherwise; any other slice returns hidden states [b, s, h].
+        ``tokens``: the microbatch's input ids, which a chunk with document
+        masking reads its documents from (best on the CPU; the first slice's
+        inputs serve when they are not given).
         """
         x = self.embedding(inputs) if self.embedding is not None else inputs
         if self.layers:
-            cos, sin = rope_cos_sin(self.inv_freq, x.shape[1], x.dtype)
+            cos, sin, docs = self.rope_and_documents(x, inputs, tokens)
             for layer in self.layers.values():
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, docs)
         if self.head is None:
             return x
         return self.head(x, labels) if labels is not None else self.head.logits(x)
+
+    def rope_and_documents(self, x: torch.Tensor, inputs: torch.Tensor, tokens: Optional[torch.Tensor]):
+        """The RoPE tables and the documents (None without masking) of one microbatch."""
+        docs = self._documents(inputs, tokens)
+        if docs is None or docs.positions is None:
+            return (*rope_cos_sin(self.inv_freq, inputs.shape[1], x.dtype), docs)
+        return (*rope_cos_sin_at(self.inv_freq, docs.positions, x.dtype), docs)
+
+    def _documents(self, inputs: torch.Tensor, tokens: Optional[torch.Tensor]) -> Optional[Documents]:
+        if self.document_rule is None:
+            return None
+        if tokens is None:
+            if self.embedding is None:
+                raise ValueError("document masking: a chunk without the embedding needs the microbatch's tokens")
+            tokens = inputs
+        return find_documents(tokens, self.document_rule).to(self.inv_freq.device)
 
     def units(self) -> Iterator[tuple[int, nn.Module]]:
         """(unit index, module) for each unit this slice holds, in order."""
@@ -163,6 +193,16 @@ class CausalLM(nn.Module):
                     if cfg.share_embeddings_and_output_weights:
                         gen = unit_generator(seed, 0, device)
                     module.output.weight.normal_(0.0, std, generator=gen)
+
+
+def set_document_masking(model: nn.Module, rule: Optional[DocumentRule]) -> None:
+    """Make every chunk in ``model`` mask documents by ``rule`` (None: no masking;
+    a rule resetting nothing is none too)."""
+    if rule is not None and not (rule.reset_attention_mask or rule.reset_position_ids):
+        rule = None
+    for module in model.modules():
+        if isinstance(module, CausalLM):
+            module.document_rule = rule
 
 
 def build_model(cfg: ModelConfig, seed: int, units: Optional[tuple[int, int]] = None,

@@ -25,7 +25,7 @@ class TrainShape(Protocol):
     # The trainer's precision mode, fusion and compilation set bytes per
     # weight and activation (cost.Precision.for_device).
     precision: str
-    fuse_elementwise: Optional[bool]
+    fuse_elementwise: Any  # null/true/false or auto/compile/liger/none (models/layers.py)
     compile: bool
     # What a zero-bubble W holds (cost.weight_pass_bytes); read with a
     # default of True (the trainer's) where an object lacks it.

@@ -122,7 +122,7 @@ def hetpipe_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "hetpipe.pretrain", f"+model={args.model}", f"cluster=gpu{args.gpus}_homogeneous",
             "plan=auto", "planner.schedule=auto", f"train.seq_length={args.seq_length}",
             f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch_size}",
-            f"train.train_iters={args.steps}", "train.log_interval=1", "train.precision=bf16",
+            f"train.train_iters={args.steps}", "train.log_interval=1", f"train.precision={args.precision}",
             "optimizer.lr_warmup_iters=2000", "logging.progress=false", f"data.path={Path(args.data).resolve()}",
             *args.set, f"hydra.run.dir={run_dir}"]
 
@@ -177,8 +177,6 @@ def prepare(name: str, args: argparse.Namespace, spec: RunSpec, run_dir: Path) -
 
 
 def not_run_reason(name: str, spec: RunSpec) -> str | None:
-    if spec.precision == "fp8" and name == "hetpipe":
-        return "hetpipe has no fp8 precision yet"
     if spec.precision == "fp8" and name in megatron_config.LAYOUTS:
         return "Megatron-Core's fp8 needs Transformer Engine, which is not installed (source package only)"
     return None

@@ -12,7 +12,13 @@
 # one: on one GPU, a short pretrain in bf16 (fp32 main weights), in fp8
 #      (torchao float8 linears, compiled; needs hetpipe[fp8] and a GPU with
 #      FP8) and in bf16-pure, full recomputation, a checkpoint saved and resumed, and the
-#      HF export of that checkpoint;
+#      HF export of that checkpoint; issue 42's kernels (the hetpipe[kernels]
+#      extra installed): train.attention_backend=fa4 against cudnn (row
+#      "fa4_vs_cudnn": losses within 2 % per step, bf16 rounding), document
+#      masking over FA4's varlen kernel against SDPA's masked one (row
+#      "docs_fa4_vs_sdpa"), two runs of fa4 with train.deterministic=true
+#      (row "fa4_det_repeat": bitwise identical), and
+#      train.fuse_elementwise=liger;
 # two: on two GPUs, the pipeline boundary over NCCL (gpu2_homogeneous), the
 #      device-direct and the TCP CPU-forwarding channel (gpu2_mixed), the
 #      zero-bubble schedules zb_h1 and zb_v, plan=auto, and the three
@@ -82,6 +88,31 @@ one() {
   echo "== export: python -m hetpipe.export $ck $out/hf"
   "$py" -m hetpipe.export "$ck" "$out/hf" > "$out/export.log" 2>&1
   record export $? "$out/export.log" $((SECONDS - start))
+  kernels
+}
+
+# compare NAME ARGS...: python -m hetpipe.compare on runs of this check; one row.
+compare() {
+  local name=$1; shift
+  local start=$SECONDS
+  echo "== $name: python -m hetpipe.compare $*"
+  "$py" -m hetpipe.compare "$@" --out "$out/$name" > "$out/$name.log" 2>&1
+  record "$name" $? "$out/$name.log" $((SECONDS - start))
+}
+
+# Issue 42: FlashAttention-4, document masking, deterministic FA4, liger (hetpipe[kernels] installed).
+kernels() {
+  local docs=(data.reset_attention_mask=true data.reset_position_ids=true)
+  run cudnn cluster=single train.attention_backend=cudnn
+  run fa4 cluster=single train.attention_backend=fa4
+  compare fa4_vs_cudnn "$out/cudnn" "$out/fa4" --rtol 0.02
+  run docs_sdpa cluster=single train.attention_backend=cudnn "${docs[@]}"
+  run docs_fa4 cluster=single train.attention_backend=fa4 "${docs[@]}"
+  compare docs_fa4_vs_sdpa "$out/docs_sdpa" "$out/docs_fa4" --rtol 0.02
+  run fa4_det cluster=single train.attention_backend=fa4 train.deterministic=true
+  run fa4_det_again cluster=single train.attention_backend=fa4 train.deterministic=true
+  compare fa4_det_repeat "$out/fa4_det" "$out/fa4_det_again"
+  run liger cluster=single train.fuse_elementwise=liger
 }
 
 two() {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_pretrain
+from conftest import run_cli, run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models import layers as layers_mod
@@ -73,6 +73,80 @@ def test_when_layers_fuse(monkeypatch):
     assert not Precision.for_device(CATALOG["CPU"]).fused_elementwise
 
 
+def test_fused_kernels_are_chosen_per_device_compile_until_liger_is_measured(monkeypatch):
+    """train.fuse_elementwise=auto|compile|liger|none (null, true, false as before):
+    auto takes liger only on the device kinds LIGER_AUTO_DEVICES lists (none yet)."""
+    monkeypatch.setattr(layers_mod, "_has_triton", lambda: True)
+    monkeypatch.setattr(layers_mod, "liger_installed", lambda: True)
+    kernels = layers_mod.elementwise_kernels
+    assert layers_mod.LIGER_AUTO_DEVICES == frozenset()
+    assert kernels(None, "cuda", False, device_kind="H200") == kernels("auto", "cuda", False) == "compile"
+    assert kernels("auto", "cpu", False) == "none" and kernels("auto", "cuda", True) == "none"
+    assert kernels(True, "cuda", False) == "compile" and kernels(False, "cuda", False) == "none"
+    assert kernels("liger", "cuda", False) == "liger" and kernels("none", "cuda", False) == "none"
+    monkeypatch.setattr(layers_mod, "LIGER_AUTO_DEVICES", frozenset({"H200"}))
+    assert kernels(None, "cuda", False, device_kind="H200") == "liger"
+    assert kernels(None, "cuda", False, device_kind="A100") == "compile"
+    monkeypatch.setattr(layers_mod, "liger_installed", lambda: False)
+    assert kernels(None, "cuda", False, device_kind="H200") == "compile"  # auto never needs it
+    assert kernels("liger", "cuda", False, local=False) == "liger"  # the planner assumes the cluster's
+    with pytest.raises(ConfigError, match=r"=liger: liger-kernel is not installed on this rank's machine: "
+                                          r"pip install liger-kernel \(or the hetpipe\[kernels\] extra\)"):
+        kernels("liger", "cuda", False)
+    with pytest.raises(ConfigError, match="train.fuse_elementwise='triton' must be one of auto, compile, liger, none"):
+        TrainConfig(fuse_elementwise="triton")
+
+
+def test_liger_on_a_cpu_stops_before_step_one(tmp_path, corpus_prefix):
+    proc = run_cli(["-m", "hetpipe.pretrain", *COMMON, f"data.path={corpus_prefix}", "train.fuse_elementwise=liger",
+                    f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 2, proc.stderr
+    assert [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("hetpipe: error:")] == [
+        "hetpipe: error: train.fuse_elementwise=liger: liger-kernel's Triton kernels run on CUDA and ROCm GPUs, "
+        "not on this rank's CPU; use compile or none"]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+class ReferenceLiger:
+    """liger_kernel.transformers.functional's three functions hetpipe calls, in plain ops."""
+
+    def __init__(self):
+        self.called = set()
+
+    def liger_rms_norm(self, x, w, eps, offset=0.0, casting_mode="llama", in_place=True):
+        assert casting_mode == "llama" and not in_place and offset == 0.0
+        self.called.add("rms_norm")
+        return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def liger_swiglu(self, a, b):
+        self.called.add("swiglu")
+        return torch.nn.functional.silu(a) * b
+
+    def liger_fused_linear_cross_entropy(self, input, weight, target, bias=None, ce_weight=None,
+                                         ignore_index=-100, reduction="mean", accum_dtype=None, **rest):
+        assert reduction == "mean" and accum_dtype == torch.float32 and not rest
+        self.called.add("cross_entropy")
+        return torch.nn.functional.cross_entropy(input @ weight.t(), target, ignore_index=ignore_index)
+
+
+def test_liger_runs_norms_swiglu_and_loss_through_its_functions(one_thread, monkeypatch):
+    from hetpipe.models import liger
+
+    reference = ReferenceLiger()
+    monkeypatch.setattr(liger, "_functional", lambda: reference)
+    cfg = model_preset("tiny_llama")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    eager, ligered = build_model(cfg, seed=3), build_model(cfg, seed=3)
+    layers_mod.use_liger(ligered)
+    losses = [model(tokens, tokens.roll(-1, dims=1)) for model in (eager, ligered)]
+    for loss in losses:
+        loss.backward()
+    assert reference.called == {"rms_norm", "swiglu", "cross_entropy"}
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6)
+    for (name, a), (_, b) in zip(eager.named_parameters(), ligered.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_attention_backend_is_preferred_and_falls_back(one_thread):
     """train.attention_backend puts one SDPA backend first; a rank that cannot
     run it (no cuDNN on a CPU, as on a ROCm GPU) runs the next one and trains
@@ -82,7 +156,7 @@ def test_attention_backend_is_preferred_and_falls_back(one_thread):
     assert sdpa_preference("auto") is None
     cudnn = sdpa_preference("cudnn")
     assert cudnn[0] == SDPBackend.CUDNN_ATTENTION and len(set(cudnn)) == 4 and SDPBackend.MATH in cudnn
-    with pytest.raises(ConfigError, match="train.attention_backend='fa3' must be one of auto, cudnn"):
+    with pytest.raises(ConfigError, match="train.attention_backend='fa3' must be one of auto, fa4, cudnn"):
         sdpa_preference("fa3")
     with pytest.raises(ConfigError, match="train.attention_backend='fa3'"):
         TrainConfig(attention_backend="fa3")

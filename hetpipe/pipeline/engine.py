@@ -9,6 +9,9 @@ order, which is the FIFO order the channels match on) so transfers overlap
 compute; sends are asynchronous and only waited for at the end of the step.
 With one stage and no links the same engine is the single-process trainer,
 which is what makes pipelined and single-process runs comparable bit for bit.
+Every chunk gets its microbatch's (host) tokens beside its input, as the last
+gets its labels: a chunk that masks documents reads their boundaries from them
+(hetpipe.models.documents), so no boundary carries them.
 """
 from __future__ import annotations
 
@@ -156,7 +159,7 @@ class PipelineEngine:
                                 requires_grad=True)
             is_last = chunk.is_last
             with self._compute(c):
-                out = chunk(x, labels.to(self.device) if is_last else None)
+                out = chunk(x, labels.to(self.device) if is_last else None, tokens=tokens)
             if is_last:
                 out.backward()
             else:
@@ -165,7 +168,7 @@ class PipelineEngine:
                 p.grad = None
             if forward_only:
                 with torch.no_grad(), self._compute(c):
-                    chunk(x.detach(), labels.to(self.device) if is_last else None)
+                    chunk(x.detach(), labels.to(self.device) if is_last else None, tokens=tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -234,7 +237,8 @@ class PipelineEngine:
         keep_embedding = self.split_backward and chunk.is_first
         with self._compute(action.chunk), \
                 capture_output(chunk.embedding) if keep_embedding else nullcontext([]) as captured:
-            out = step.out = chunk(x, labels.to(self.device, non_blocking=True) if is_last else None)
+            out = step.out = chunk(x, labels.to(self.device, non_blocking=True) if is_last else None,
+                                   tokens=tokens)
         if keep_embedding:
             step.embedded[key] = captured[0]
         step.inputs[key], step.outputs[key] = x, out
@@ -334,7 +338,8 @@ class PipelineEngine:
                     chunk = self.chunks[action.chunk]
                     x = tokens.to(self.device, non_blocking=True) if chunk.is_first else received.pop(key)
                     with self._compute(action.chunk):
-                        out = chunk(x, labels.to(self.device, non_blocking=True) if chunk.is_last else None)
+                        out = chunk(x, labels.to(self.device, non_blocking=True) if chunk.is_last else None,
+                                    tokens=tokens)
                     if chunk.is_last:
                         losses[action.microbatch] = out
                     elif action.chunk in self.local_output:
