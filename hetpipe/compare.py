@@ -20,6 +20,10 @@ homogeneous one; a loss curve is the cheapest evidence of it, and the
 difference curve shows where two runs part ways when they do. Only
 ``metrics.jsonl`` is read: it is the record the trainer writes, and wandb or
 TensorBoard files are mirrors of it in formats hetpipe does not own.
+
+``python -m hetpipe.compare --sweep DIR`` summarises a hydra sweep instead
+(hetpipe/sweep_summary.py). Jobs of a sweep compared as runs are labelled by
+the overrides that set them apart, not by their job numbers.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from typing import Any, Optional
 
 from hetpipe.compare_verdict import NOISE_K, TRAINING, VALIDATION, Judge
 from hetpipe.errors import HetpipeError, run_cli
+from hetpipe.sweep_jobs import job_overrides, override_labels
 
 
 @dataclass
@@ -157,14 +162,13 @@ def _jsonl_rows(path: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[s
 
 
 def run_labels(specs: list[str]) -> list[str]:
-    """Short names for the runs (a run directory's name), or the paths as
-    given where short names would collide."""
-    names = []
-    for spec in specs:
-        path = Path(spec)
-        if path.name == "metrics.jsonl":
-            path = path.parent
-        names.append(path.resolve().name or spec)
+    """Short names for the runs: the overrides that set them apart where all are
+    jobs of hydra sweeps (directories named by their job number), else a run
+    directory's name; the paths as given where short names would collide."""
+    paths = [Path(spec).parent if Path(spec).name == "metrics.jsonl" else Path(spec) for spec in specs]
+    overrides = [job_overrides(p) if p.name.isdigit() else None for p in paths]
+    names = override_labels(overrides) if all(o is not None for o in overrides) else \
+        [p.resolve().name or spec for p, spec in zip(paths, specs)]
     return names if len(set(names)) == len(names) else list(specs)
 
 
@@ -350,9 +354,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m hetpipe.compare", description=__doc__.split("\n\n")[1],
         epilog="Every run is compared with the first one; runs with different step sets are "
                "compared on their common steps and the missing ones are counted.")
-    parser.add_argument("runs", nargs="+",
+    parser.add_argument("runs", nargs="*",
                         help="run directories (their metrics.jsonl) or metrics JSONL files; "
                              "the first is the reference")
+    parser.add_argument("--sweep", type=Path, metavar="DIR",
+                        help="instead of comparing runs, summarise the hydra sweep (-m) in DIR: one row per "
+                             "job (overrides, plan, tokens/s, TFLOP/s/GPU, peak memory, final loss, exit "
+                             "status) in DIR/sweep.md and DIR/sweep.csv, with sweep_throughput.png and "
+                             "sweep_loss.png")
     parser.add_argument("--rtol", type=float, default=None,
                         help="largest per-step relative loss difference, training or validation, that "
                              "passes, for every pair (0: bitwise identical; the default unless --noise-ref)")
@@ -391,6 +400,10 @@ def build_report(specs: list[str], rtol: Optional[float], noise_ref: Optional[st
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.sweep is not None:
+        if args.runs:
+            parser.error("--sweep DIR summarises the sweep's own jobs: give no runs beside it")
+        return run_cli(lambda: _summarise_sweep(args.sweep))
     if len(args.runs) < 2:
         parser.error("give at least two runs")
     if args.rtol is not None and args.rtol < 0:
@@ -414,6 +427,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report.ok else 1
 
     return run_cli(_run)
+
+
+def _summarise_sweep(sweep_dir: Path) -> int:
+    from hetpipe.sweep_summary import print_summary  # hydra's callback base class loads with it
+
+    print_summary(sweep_dir)
+    return 0
 
 
 if __name__ == "__main__":

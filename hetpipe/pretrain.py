@@ -4,7 +4,8 @@ Hydra composes ``configs/pretrain.yaml`` with the chosen model preset (or
 none: ``checkpoint.load_hf=DIR`` alone takes the model from DIR's
 config.json) and any overrides, checks them against the structured schemas in ``hetpipe.pretrain_config``,
 and hands the result to the trainer. ``--cfg job`` prints the composed config
-without building anything; ``-m`` sweeps (hydra multirun). Problems with the
+without building anything; ``-m`` sweeps (hydra multirun: a failed job does not stop
+the others, and the sweep ends with a table, hetpipe/sweep_summary.py). Problems with the
 input end in one ``hetpipe: error:`` line and exit status 2. The console - the
 launcher's and every local rank's output, tracebacks included - is kept in the
 run directory's ``pretrain.log`` (hetpipe.console_log).
@@ -25,10 +26,12 @@ if __name__ == "__main__":  # before torch loads here: the ranks' server imports
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hetpipe.pretrain_config import register_configs, resolve
 from hetpipe.errors import run_cli, run_hydra_cli
+from hetpipe.sweep_jobs import run_sweep_job, sweep_exit_status
 
 register_configs()
 
@@ -53,8 +56,12 @@ def main(cfg: DictConfig) -> None:
         with save_dir_locked(job.checkpoint, run_dir, job.cluster):  # the run dir's lock: configs/pretrain.yaml
             train(job, run_dir)
 
-    run_cli(_run)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # a failed job is recorded, and the next one runs
+        run_sweep_job(lambda: run_cli(_run), Path(HydraConfig.get().runtime.output_dir))
+    else:
+        run_cli(_run)
 
 
 if __name__ == "__main__":
     run_hydra_cli(main)
+    sys.exit(sweep_exit_status())

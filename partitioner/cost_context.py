@@ -171,6 +171,7 @@ class CostContext:
         self._units: dict = {}
         self._groups: dict = {}
         self._choices: dict = {}
+        self._links: dict = {}
 
     # -- per-group costs --------------------------------------------------------------
     def unit_costs(self, g: int, tp: int, mbs: int, recompute: str, alone: bool) -> cost.UnitCosts:
@@ -314,6 +315,14 @@ class CostContext:
     def link_s(self, cand: Candidate, a: tuple[int, int], b: tuple[int, int]) -> float:
         """One microbatch's message over the boundary between stages a and b (the
         slower of the two directions)."""
+        (ga, ja), (gb, _) = a, b
+        # The same boundary recurs across candidates and V splits: priced once.
+        key = (ga, gb, ja if ga == gb else None, cand.tp[ga], cand.tp[gb], cand.dp, cand.micro_batch_size)
+        if key not in self._links:
+            self._links[key] = self._link_s(cand, a, b)
+        return self._links[key]
+
+    def _link_s(self, cand: Candidate, a: tuple[int, int], b: tuple[int, int]) -> float:
         (ga, ja), (gb, _) = a, b
         mbs = cand.micro_batch_size
         ua = self.unit_costs(ga, cand.tp[ga], mbs, "none", False)

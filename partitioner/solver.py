@@ -121,17 +121,20 @@ def _search(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
         bi = int(np.searchsorted(starts, pos, side="right")) - 1
         cand = blocks[bi].candidate(int(pos - starts[bi]))
         solved += 1
-        split = _split(ctx, cand, schedule, fixed)
+        split = _split(ctx, cand, schedule, fixed, INF if best is None else best[1].step_s)
         if split is not None and (best is None or split.step_s < best[1].step_s):
             best = (cand, split)
     return best, solved
 
 
-def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[list[int]]) -> Optional[Split]:
-    """The candidate's best contiguous split (or the fixed one, priced), or None."""
+def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[list[int]],
+           beat: float) -> Optional[Split]:
+    """The candidate's best contiguous split (or the fixed one, priced), or None;
+    where that split is no faster than ``beat``, maybe another such or None
+    (the search keeps only a faster one: its split walks stop at ``beat``)."""
     prob = ctx.problem(cand, schedule)
     if fixed is None:
-        return best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path)
+        return best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path, beat)
     return evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed, prob.path)
 
 

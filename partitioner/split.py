@@ -68,8 +68,15 @@ def evaluate_split(time: np.ndarray, sync: np.ndarray, feasible: np.ndarray, num
 
 
 def best_split(time: np.ndarray, sync: np.ndarray, feasible: np.ndarray, num_microbatches: int,
-               links: Sequence[float] = (), path: Optional[np.ndarray] = None) -> Optional[Split]:
+               links: Sequence[float] = (), path: Optional[np.ndarray] = None,
+               beat: float = INF) -> Optional[Split]:
     """The split of U units over P stages with the least step time, or None.
+
+    ``beat`` is a step time to undercut (the search's best plan so far): a
+    split no faster than it is of no use, so the walks stop once their bounds
+    reach it. The answer is then the same split as without it whenever that
+    one is faster than ``beat``; otherwise it is None or some split no faster
+    than ``beat``.
 
     Exact: let S* be optimal with max t = X*, sum p = Y*, max a = Z*. The
     outer walk reaches the threshold tau = X* (it stops only once
@@ -106,7 +113,7 @@ def best_split(time: np.ndarray, sync: np.ndarray, feasible: np.ndarray, num_mic
         tau = float(below.max()) if below.size else tau0
     best: Optional[Split] = None
     while True:
-        if best is not None and M1 * max(tau, c_max) + y_min + c_sum + z_min >= best.step_s:
+        if M1 * max(tau, c_max) + y_min + c_sum + z_min >= _to_beat(best, beat):
             break
         p_tau = np.where(t <= tau, p, INF)
         limit = INF
@@ -117,7 +124,7 @@ def best_split(time: np.ndarray, sync: np.ndarray, feasible: np.ndarray, num_mic
             split = evaluate(bounds)
             if best is None or split.step_s < best.step_s:
                 best = split
-            if M1 * max(tau, c_max) + y + c_sum + z_min >= best.step_s:
+            if M1 * max(tau, c_max) + y + c_sum + z_min >= _to_beat(best, beat):
                 break
             limit = split.max_sync_s
         larger = finite[finite > tau]
@@ -125,6 +132,11 @@ def best_split(time: np.ndarray, sync: np.ndarray, feasible: np.ndarray, num_mic
             break
         tau = float(larger.min())
     return best
+
+
+def _to_beat(best: Optional[Split], beat: float) -> float:
+    """The step time a split still to be found must undercut to matter."""
+    return beat if best is None else min(best.step_s, beat)
 
 
 def _min_sum(cost_: np.ndarray) -> tuple[float, Optional[list[int]]]:
@@ -135,7 +147,7 @@ def _min_sum(cost_: np.ndarray) -> tuple[float, Optional[list[int]]]:
     columns = np.arange(N)
     for k in range(1, P):
         total = best[:, None] + cost_[k]
-        arg = np.argmin(total, axis=0)
+        arg = total.argmin(axis=0)
         best = total[arg, columns]
         choices.append(arg)
     value = float(best[N - 1])

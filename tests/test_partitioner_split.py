@@ -121,3 +121,25 @@ def test_deterministic_and_memory_respected():
         feasible[0, 0, first.bounds[1]] = False
         second = best_split(time, sync, feasible, M, links)
         assert second is None or (second.bounds[1] != first.bounds[1] and second.step_s >= first.step_s)
+
+
+@pytest.mark.parametrize("integer", [False, True], ids=["real", "ties"])
+def test_a_step_to_beat_keeps_the_split_that_beats_it(integer):
+    """The search passes its best plan's step as ``beat``: a split faster than it
+    is the very one found without it (ties included), and none faster is missed."""
+    rng = np.random.default_rng(19 + integer)
+    kept = cut = 0
+    for _ in range(300):
+        time, sync, feasible, M, links = random_problem(rng, integer)
+        free = best_split(time, sync, feasible, M, links)
+        if free is None:
+            continue
+        for beat in (free.step_s * 1.05, free.step_s, free.step_s * 0.95):
+            got = best_split(time, sync, feasible, M, links, beat=beat)
+            if free.step_s < beat:
+                assert got == free
+                kept += 1
+            else:
+                assert got is None or got.step_s >= beat
+                cut += 1
+    assert kept > 100 and cut > 200
