@@ -350,10 +350,10 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> None:
 
 ELEMENTWISE_KERNELS = ("auto", "compile", "liger", "none")
 # GPU kinds (hetpipe.devices.catalog's names) whose ``auto`` takes liger's
-# kernels instead of torch.compile's: those where docs/benchmarks.md ("Fused
-# kernels: torch.compile against liger", scripts/bench_attention.py) measures
-# liger faster for RMSNorm, SwiGLU and the cross-entropy together. Empty
-# until that is measured on GPUs: ``auto`` is the compile path everywhere.
+# kernels instead of torch.compile's: those where docs/benchmarks.md (the
+# eighteenth session's layer table, scripts/bench_attention.py) measures liger
+# faster for RMSNorm, SwiGLU and the cross-entropy together. None so far: on
+# the H200 liger was slower for all three, and the other GPUs are unmeasured.
 LIGER_AUTO_DEVICES: frozenset[str] = frozenset()
 
 
