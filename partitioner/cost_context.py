@@ -30,7 +30,7 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
 from hetpipe.devices.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.models.recompute import RECOMPUTE_MODES
+from hetpipe.models.train_modes import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
@@ -38,7 +38,7 @@ from hetpipe.devices.catalog import DeviceSpec, catalog_with, device_spec
 from hetpipe.devices.facts import local_device_type
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.planner_config import PlannerConfig
-from hetpipe.partitioner.profile import find_entry, planner_profiles, profile_shape
+from hetpipe.partitioner.profile_files import find_entry, planner_profiles, profile_shape
 from hetpipe.partitioner.split import INF
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
 
