@@ -32,7 +32,6 @@ from hetpipe.errors import ConfigError, run_cli, run_hydra_cli
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.devices.catalog import catalog_with
 from hetpipe.partitioner.planner_config import PlannerConfig
-from hetpipe.partitioner.profile import measure_units, save_entry
 from hetpipe.partitioner import schedule_model
 from hetpipe.partitioner.report import Solution
 from hetpipe.partitioner.solver import solve
@@ -128,6 +127,8 @@ def run_plan(cfg: PlanConfig) -> Solution:
 
 def run_profile(cfg: PlanConfig) -> None:
     """Measure the units on this machine and file them in the profile JSON."""
+    from hetpipe.partitioner.profile import measure_units, save_entry  # torch: only this mode measures
+
     p = cfg.profiling
     name, entry = measure_units(cfg.model, cfg.train.seq_length, cfg.train.micro_batch_size,
                                 cfg.train.precision, repeats=p.repeats, warmup=p.warmup, seed=cfg.train.seed,

@@ -20,12 +20,9 @@ from hetpipe.data.sources import parse_data_path
 from hetpipe.data.split import parse_split
 from hetpipe.errors import ConfigError, config_error_from
 from hetpipe.models.model_config import ModelConfig, preset_names
-from hetpipe.models.attention import check_attention_backend
-from hetpipe.models.layers import elementwise_mode
-from hetpipe.models.recompute import check_recompute
+from hetpipe.models.train_modes import (FP8_RECIPES, PRECISIONS, check_attention_backend, check_recompute,
+                                        elementwise_mode)
 from hetpipe.partitioner.planner_config import PlannerConfig
-from hetpipe.models.fp8 import FP8_RECIPES
-from hetpipe.models.precision import PRECISIONS
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
 import hetpipe.value_checks as value_checks
 
@@ -75,7 +72,7 @@ class TrainConfig:
     # cross-entropy (package liger-kernel, the hetpipe[kernels] extra; CUDA
     # and ROCm GPUs), RoPE compiled; none (or false): eager. auto (or null):
     # none on CPUs and under train.compile, else per device from the table in
-    # hetpipe/models/layers.py (LIGER_AUTO_DEVICES, measured in
+    # hetpipe/models/train_modes.py (LIGER_AUTO_DEVICES, measured in
     # docs/benchmarks.md): compile everywhere until liger is measured faster.
     fuse_elementwise: Any = None
     # The attention kernel of the decoder layers (issue 42's

@@ -36,16 +36,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.documents import Documents
+from hetpipe.models.train_modes import ATTENTION_BACKENDS, check_attention_backend  # noqa: F401 - re-exported
 
-ATTENTION_BACKENDS = ("auto", "fa4", "cudnn", "flash", "efficient", "math")
 # Compute-capability majors FA4 ships kernels for: Hopper (SM90), Blackwell (SM100).
 FA4_MAJORS = (9, 10)
 FA4_INSTALL = "pip install --pre flash-attn-4==4.0.0b36 (or the hetpipe[kernels] extra)"
-
-
-def check_attention_backend(backend: str) -> None:
-    if backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"train.attention_backend={backend!r} must be one of {', '.join(ATTENTION_BACKENDS)}")
 
 
 def sdpa_preference(backend: str, deterministic: bool = False) -> Optional[tuple]:

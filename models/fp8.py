@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from hetpipe.errors import ConfigError
+from hetpipe.models.train_modes import FP8_RECIPES, compiles_layers  # noqa: F401 - re-exported
 
-FP8_RECIPES = ("tensorwise", "rowwise")
 # FP8 pair per catalog format (hetpipe.devices.catalog.FP8_FORMATS): (e4m3, e5m2).
 _DTYPES = {"e4m3fn": (torch.float8_e4m3fn, torch.float8_e5m2),
            "e4m3fnuz": (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)}
@@ -113,13 +113,6 @@ def convert_to_fp8(chunks: Sequence[nn.Module], recipe: str, fp8_format: str) ->
         convert(chunk, config=config,
                 module_filter_fn=lambda m, fqn, names=names: fqn in names and aligned(m))
     return skipped
-
-
-def compiles_layers(compile_setting: bool, fp8: bool, device_type: str) -> bool:
-    """Whether the decoder layers run compiled: ``train.compile``, or fp8 on a GPU
-    (torchao's scaling and casts are separate slow kernels unless compiled; CPU
-    ranks emulating FP8 run them eager)."""
-    return compile_setting or (fp8 and device_type != "cpu")
 
 
 def torchao_fp8_format() -> str:

@@ -28,22 +28,22 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hetpipe.errors import ConfigError
 from hetpipe.models.attention import (ATTENTION_BACKENDS, DeviceFacts, Kernel, SdpaKernel,  # noqa: F401 - re-exported
                                       choose_kernel, fa4_installed, sdpa_preference)
 from hetpipe.models.documents import Documents
-from hetpipe.models.liger import LIGER_INSTALL, liger_installed
 from hetpipe.models.liger import rms_norm as liger_rms_norm, swiglu as liger_swiglu
 from hetpipe.models.families import spec_of
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.torch_compat import triton_available
+# train.fuse_elementwise's choice, re-exported for the trainer (torch-free, for configs and the planner).
+from hetpipe.models.train_modes import (ELEMENTWISE_KERNELS, elementwise_kernels,  # noqa: F401 - re-exported
+                                        elementwise_mode, fuses_elementwise)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -348,70 +348,6 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> None:
             module.fused = enabled
 
 
-ELEMENTWISE_KERNELS = ("auto", "compile", "liger", "none")
-# GPU kinds (hetpipe.devices.catalog's names) whose ``auto`` takes liger's
-# kernels instead of torch.compile's: those where docs/benchmarks.md (the
-# eighteenth session's layer table, scripts/bench_attention.py) measures liger
-# faster for RMSNorm, SwiGLU and the cross-entropy together. None so far: on
-# the H200 liger was slower for all three, and the other GPUs are unmeasured.
-LIGER_AUTO_DEVICES: frozenset[str] = frozenset()
-
-
-def elementwise_mode(setting: Any) -> str:
-    """``train.fuse_elementwise`` as one of ELEMENTWISE_KERNELS: null is auto,
-    true compile, false none (its values before liger); ConfigError otherwise."""
-    if setting is None or isinstance(setting, bool):
-        return {None: "auto", True: "compile", False: "none"}[setting]
-    if setting not in ELEMENTWISE_KERNELS:
-        raise ConfigError(f"train.fuse_elementwise={setting!r} must be one of {', '.join(ELEMENTWISE_KERNELS)} "
-                          "(or null, true, false: auto, compile, none)")
-    return setting
-
-
-def elementwise_kernels(setting: Any, device_type: str, compiled: bool, local: bool = True,
-                        device_kind: Optional[str] = None) -> str:
-    """The kernels ranks on ``device_type`` (catalog kind ``device_kind``) run for
-    ``train.fuse_elementwise=setting`` and ``train.compile=compiled``: compile,
-    liger or none.
-
-    Automatic: none on CPUs (the CPU backend compiles C++, slow to build for
-    the speed it brings) and under ``train.compile`` (whole layers are
-    compiled anyway); on GPUs liger where LIGER_AUTO_DEVICES lists the kind
-    and liger is installed, else compile. ``local``: the GPU is this
-    process's, so Triton's or liger's absence turns the automatic choice off
-    and an explicit one into an error; the planner, reasoning about a
-    cluster's devices, passes False and assumes them.
-    """
-    mode = elementwise_mode(setting)
-    if mode == "auto":
-        if device_type == "cpu" or compiled:
-            return "none"
-        if device_kind in LIGER_AUTO_DEVICES and (not local or liger_installed()):
-            return "liger"
-        return "compile" if not local or _has_triton() else "none"
-    if local and mode == "liger":
-        _check_liger(device_type)
-    if local and mode == "compile" and device_type != "cpu" and not _has_triton():
-        raise ConfigError(f"train.fuse_elementwise={str(setting).lower()} compiles kernels with Triton, which "
-                          "this machine's torch cannot use; set train.fuse_elementwise=false")
-    return mode
-
-
-def _check_liger(device_type: str) -> None:
-    if device_type == "cpu":
-        raise ConfigError("train.fuse_elementwise=liger: liger-kernel's Triton kernels run on CUDA and ROCm "
-                          "GPUs, not on this rank's CPU; use compile or none")
-    if not liger_installed():
-        raise ConfigError(f"train.fuse_elementwise=liger: liger-kernel is not installed on this rank's "
-                          f"machine: {LIGER_INSTALL}")
-
-
-def fuses_elementwise(setting: Any, device_type: str, compiled: bool, local: bool = True) -> bool:
-    """Whether ranks on ``device_type`` run fused elementwise kernels of either
-    kind (:func:`elementwise_kernels`) for ``train.fuse_elementwise=setting``."""
-    return elementwise_kernels(setting, device_type, compiled, local) != "none"
-
-
 def use_liger(model: nn.Module) -> None:
     """Run RMSNorm, SwiGLU and the head's cross-entropy of ``model`` on liger's
     kernels (hetpipe.models.liger); RoPE keeps its compiled kernel, and the
@@ -421,7 +357,3 @@ def use_liger(model: nn.Module) -> None:
             module.liger = True
         if isinstance(module, DecoderLayer):
             module.fused = False
-
-
-def _has_triton() -> bool:
-    return triton_available()

@@ -90,23 +90,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetpipe.errors import ConfigError
 from hetpipe.models.fp8 import is_float8
+from hetpipe.models.train_modes import PRECISIONS, WORKING_COPY_MODES, resolve_precision  # noqa: F401 - re-exported
 from hetpipe.torch_compat import foreach_copy_, own_parameters, run_post_accumulate_grad_hooks
-
-PRECISIONS = ("auto", "bf16", "fp8", "bf16-pure", "bf16-autocast", "fp32")
-# The modes that run on Bf16Weights' working copies of fp32 main weights.
-WORKING_COPY_MODES = ("bf16", "fp8")
-
-
-def resolve_precision(precision: str, device_type: str) -> str:
-    """The mode a rank on ``device_type`` runs for ``train.precision``."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"train.precision={precision!r} must be one of {', '.join(PRECISIONS)}")
-    if precision == "auto":
-        return "fp32" if device_type == "cpu" else "bf16"
-    return precision
-
 
 def activation_dtype(mode: str) -> torch.dtype:
     """dtype of the residual stream, hence of stage-boundary messages."""

@@ -57,29 +57,12 @@ from torch.utils.checkpoint import checkpoint
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.layers import Attention, DecoderLayer
+from hetpipe.models.train_modes import RECOMPUTE_MODES, check_recompute  # noqa: F401 - re-exported
 from hetpipe.torch_compat import own_parameters
 
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 # What a module holds at one moment: its parameter table and its instance forward (if replaced).
 _ModuleState = list[tuple[nn.Module, dict[str, Optional[torch.Tensor]], Any]]
-
-
-def check_recompute(recompute: Any, num_layers: Any) -> None:
-    """Raise ConfigError unless ``train.recompute`` / ``train.recompute_num_layers``
-    are a mode or per-stage list of modes / a count or per-stage list of counts."""
-    modes = list(recompute) if isinstance(recompute, (list, tuple)) else [] if recompute is None else [recompute]
-    for mode in modes:
-        if mode not in RECOMPUTE_MODES:
-            raise ConfigError(f"train.recompute={recompute!r}: {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-    counts = num_layers if isinstance(num_layers, (list, tuple)) else [num_layers]
-    for n in counts:
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise ConfigError(f"train.recompute_num_layers={num_layers!r}: {n!r} is not a layer count (0 or more)")
-    if isinstance(recompute, (list, tuple)) and isinstance(num_layers, (list, tuple)) \
-            and len(recompute) != len(num_layers):
-        raise ConfigError(f"train.recompute={list(recompute)} and train.recompute_num_layers={list(num_layers)} "
-                          "list different numbers of stages")
 
 
 def set_recompute(chunk: nn.Module, mode: str, num_layers: Optional[int] = None) -> None:

@@ -35,11 +35,9 @@ from typing import Optional
 import numpy as np
 
 from hetpipe.models.families import spec_of
-from hetpipe.models.layers import fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.devices.catalog import DeviceSpec
-from hetpipe.models.fp8 import compiles_layers
-from hetpipe.models.precision import resolve_precision
+from hetpipe.models.train_modes import compiles_layers, fuses_elementwise, resolve_precision
 
 GIB = float(1 << 30)
 # Bytes per parameter in hetpipe's trainer (fp32 weights, fp32 grads, AdamW m and v).

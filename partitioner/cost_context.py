@@ -21,7 +21,8 @@ run, and each stage's share of the fill/drain path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional, Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
 from hetpipe.devices.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.models.recompute import RECOMPUTE_MODES
+from hetpipe.models.train_modes import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
@@ -38,7 +39,7 @@ from hetpipe.devices.catalog import DeviceSpec, catalog_with, device_spec
 from hetpipe.devices.facts import local_device_type
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.planner_config import PlannerConfig
-from hetpipe.partitioner.profile import find_entry, planner_profiles, profile_shape
+from hetpipe.partitioner.profile_files import find_entry, planner_profiles, profile_shape
 from hetpipe.partitioner.split import INF
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
 
@@ -108,15 +109,33 @@ class SplitProblem:
     # Per step: DP gradient sync and optimizer step.
     sync: np.ndarray
     feasible: np.ndarray
-    # Bytes per device (see _StageChoice.memory) and usable bytes per stage's device.
-    memory: np.ndarray
-    capacity: np.ndarray
     # One microbatch's message over each boundary.
     links: list[float]
-    # The recomputation each stage would run: an index into RECOMPUTE_MODES and
-    # the layers (its first ones) it covers.
-    recompute: np.ndarray
-    recompute_layers: np.ndarray
+    # Each stage's choice and its group's costs without recomputation: the
+    # arrays below are stacked from them when asked for, as only the plan
+    # chosen and the no-fit message read them, not the split search.
+    choices: list[_StageChoice] = field(repr=False)
+    base: list[_GroupCosts] = field(repr=False)
+
+    @cached_property
+    def memory(self) -> np.ndarray:
+        """Bytes per device (see _StageChoice.memory)."""
+        return np.stack([c.memory for c in self.choices])
+
+    @cached_property
+    def capacity(self) -> np.ndarray:
+        """Usable bytes per stage's device."""
+        return np.array([c.capacity for c in self.base])
+
+    @cached_property
+    def recompute(self) -> np.ndarray:
+        """The recomputation each stage would run: an index into RECOMPUTE_MODES."""
+        return np.stack([c.mode for c in self.choices])
+
+    @cached_property
+    def recompute_layers(self) -> np.ndarray:
+        """The layers (a stage's first ones) its recomputation covers."""
+        return np.stack([c.layers for c in self.choices])
 
 
 class CostContext:
@@ -376,12 +395,8 @@ class CostContext:
             sync[0, 0, :] += tied
             sync[-1, :, -1] += tied
         links = [self.link_s(cand, layout[k], layout[k + 1]) for k in range(P - 1)]
-        return SplitProblem(time=time, path=path, sync=sync,
-                            feasible=np.stack([c.feasible for c in choices]),
-                            memory=np.stack([c.memory for c in choices]),
-                            capacity=np.array([c.capacity for c in base]), links=links,
-                            recompute=np.stack([c.mode for c in choices]),
-                            recompute_layers=np.stack([c.layers for c in choices]))
+        return SplitProblem(time=time, path=path, sync=sync, feasible=np.stack([c.feasible for c in choices]),
+                            links=links, choices=choices, base=base)
 
 
 def _range_sums(x: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from typing import List, Optional
 import yaml
 
 from hetpipe.errors import ConfigError
-from hetpipe.models.recompute import RECOMPUTE_MODES
+from hetpipe.models.train_modes import RECOMPUTE_MODES
 from hetpipe.pipeline.placement import Placement
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec, several_chunks
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import hetpipe.value_checks as value_checks
 from hetpipe.errors import ConfigError
-from hetpipe.models.recompute import RECOMPUTE_MODES
+from hetpipe.models.train_modes import RECOMPUTE_MODES
 from hetpipe.partitioner.cost import NetworkConfig
 from hetpipe.partitioner.schedule_model import schedules_for
 

@@ -27,9 +27,7 @@ recomputation modes' differences from the analytic model.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -39,96 +37,13 @@ from hetpipe.devices.facts import local_device_type
 from hetpipe.devices.vendor import accelerator_name
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
-from hetpipe.models.families import spec_of
 from hetpipe.models.layers import fuse_elementwise as fuse_module, fuses_elementwise
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
 from hetpipe.models.fp8 import convert_to_fp8
+from hetpipe.partitioner.profile_files import PROFILE_FORMAT, profile_shape, save_entry  # noqa: F401 - re-exported
 from hetpipe.models.precision import (WORKING_COPY_MODES, Bf16Weights, activation_dtype, cast_parameters,
                                       compute_context, fuse_linear_grads, resolve_precision)
-
-PROFILE_FORMAT = "hetpipe-profile/1"
-UNIT_KINDS = ("embedding", "layer", "head")
-
-
-def profile_shape(model: ModelConfig, seq_length: int, precision: str,
-                  fused_elementwise: bool = False) -> dict[str, Any]:
-    """What a measurement depends on besides the microbatch size (the layer count does not matter)."""
-    return {"hidden_size": model.hidden_size, "ffn_hidden_size": model.ffn_hidden_size,
-            "num_attention_heads": model.num_attention_heads, "num_query_groups": model.num_query_groups,
-            "head_dim": model.head_dim, "vocab_size": model.vocab_size,
-            "add_qkv_bias": model.add_qkv_bias, "seq_length": seq_length, "precision": precision,
-            "fused_elementwise": fused_elementwise, **spec_of(model).layer_shape_fields()}
-
-
-def load_profile(path: str | Path) -> dict[str, list[dict]]:
-    """The ``devices`` table of a profile file: device type -> list of entries."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"profile file {p} not found (make one with `python -m hetpipe.plan profile ...`)")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"profile file {p} is not JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise ConfigError(f"profile file {p} is not a {PROFILE_FORMAT} file")
-    devices = data.get("devices", {})
-    for device, entries in devices.items():
-        for entry in entries:
-            missing = [k for k in UNIT_KINDS if k not in entry.get("units", {})]
-            if missing or "shape" not in entry or "micro_batch_size" not in entry:
-                raise ConfigError(f"profile file {p}: an entry for {device} lacks "
-                                  f"{missing or ['shape/micro_batch_size']}")
-            unknown = sorted(set(entry.get("recompute", {})) - set(RECOMPUTE_MODES[1:]))
-            if unknown:
-                raise ConfigError(f"profile file {p}: an entry for {device} has recompute modes {unknown}; "
-                                  f"known: {', '.join(RECOMPUTE_MODES[1:])}")
-    return devices
-
-
-# Profiles measured on the lent machines, shipped with the package: the
-# planner uses the entries of the device type it plans for (H100 for a group
-# detected or declared H100) unless planner.builtin_profiles=false.
-BUILTIN_PROFILES = Path(__file__).resolve().parent / "profiles"
-
-
-def planner_profiles(path: Optional[str], builtin: bool = True) -> dict[str, list[dict]]:
-    """The profile entries the planner looks costs up in: the file ``path``
-    (its entries win over the built-in ones of the same device) and, with
-    ``builtin``, every built-in profile."""
-    files = ([Path(path)] if path else []) + (sorted(BUILTIN_PROFILES.glob("*.json")) if builtin else [])
-    devices: dict[str, list[dict]] = {}
-    for f in files:
-        for device, entries in load_profile(f).items():
-            devices.setdefault(device, []).extend(entries)
-    return devices
-
-
-def find_entry(devices: dict[str, list[dict]], device_type: str, shape: dict[str, Any],
-               micro_batch_size: int) -> Optional[dict]:
-    """The entry measured on ``device_type`` at ``shape``; one at the same
-    microbatch size is preferred (no scaling needed)."""
-    entries = [e for key, es in devices.items() if key.lower() == device_type.lower() for e in es
-               if e["shape"] == shape]
-    exact = [e for e in entries if e["micro_batch_size"] == micro_batch_size]
-    return (exact or entries or [None])[0]
-
-
-def save_entry(path: str | Path, device_type: str, entry: dict) -> None:
-    """Add ``entry`` to the profile file (created if missing), replacing an
-    entry of the same device, shape and microbatch size."""
-    p = Path(path)
-    data = {"format": PROFILE_FORMAT, "devices": {}}
-    if p.is_file():
-        load_profile(p)  # refuse to overwrite something that is not a profile
-        data = json.loads(p.read_text())
-    entries = data["devices"].setdefault(device_type, [])
-    entries[:] = [e for e in entries if (e["shape"], e["micro_batch_size"])
-                  != (entry["shape"], entry["micro_batch_size"])]
-    entries.append(entry)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-
 
 def measure_units(model: ModelConfig, seq_length: int, micro_batch_size: int, precision: str = "auto",
                   repeats: int = 40, warmup: int = 3, seed: int = 1234,

@@ -17,7 +17,7 @@ import numpy as np
 from hetpipe.cluster import ClusterConfig
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.models.recompute import RECOMPUTE_MODES
+from hetpipe.models.train_modes import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model

@@ -270,10 +270,12 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
                 credit = schedule_model.max_weight_credit(schedule)
                 if credit is not None:
                     sum_lb = _zero_bubble_path_bound(ctx, units, mbs, credit)
+                probe = Candidate(orders[0], tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
+                in_max, in_sum = _inner_links(ctx, probe, grid)
                 for order in orders:
                     probe = Candidate(order, tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
                     cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
-                    c_max, c_sum = max(cross, default=0.0), 2 * sum(cross)
+                    c_max, c_sum = np.maximum(max(cross, default=0.0), in_max), 2 * sum(cross) + in_sum
                     lb = (M - 1) * np.maximum(stage_lb, c_max) + sum_lb + c_sum
                     if schedule_model.is_v_shaped(schedule):  # simulated: only the busiest rank's work bounds it
                         lb = M * stage_lb
@@ -281,6 +283,21 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
     if not blocks:
         raise ConfigError(_no_layout_message(ctx, num_stages, fixed_stages))
     return blocks
+
+
+def _inner_links(ctx: CostContext, probe: Candidate, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``grid``: the largest message between two stages of one group,
+    and twice their sum, as the step counts them (split.step_time_s). A
+    boundary's message depends on its group, its place in the group, TP, DP and
+    the microbatch, not on the row, so each row's are exactly these: a deep
+    pipeline's bound grows with its boundaries."""
+    most, total = np.zeros(len(grid)), np.zeros(len(grid))
+    for g in range(grid.shape[1]):
+        links = [ctx.link_s(probe, (g, j), (g, j + 1)) for j in range(int(grid[:, g].max()) - 1)]
+        before = grid[:, g] - 1  # boundaries inside group g
+        most = np.maximum(most, np.concatenate([[0.0], np.maximum.accumulate(links)])[before])
+        total += 2 * np.concatenate([[0.0], np.cumsum(links)])[before]
+    return most, total
 
 
 def _balance_bounds(unit_times: list[np.ndarray], grid: np.ndarray) -> tuple[np.ndarray, float]:

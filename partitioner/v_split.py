@@ -38,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from hetpipe.models.recompute import RECOMPUTE_MODES
+from hetpipe.models.train_modes import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
 import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.partitioner.cost_context import Candidate, CostContext

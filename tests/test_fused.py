@@ -10,7 +10,7 @@ import torch
 from conftest import run_cli, run_pretrain
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
-from hetpipe.models import layers as layers_mod
+from hetpipe.models import layers as layers_mod, train_modes
 from hetpipe.models.model_config import model_preset
 from hetpipe.pretrain_config import TrainConfig
 from hetpipe.models.layers import (Attention, DecoderLayer, RMSNorm, SwiGLU, fuse_elementwise, fuses_elementwise,
@@ -58,12 +58,12 @@ def test_cost_model_counts_the_activations_a_layer_keeps(fused, name, one_thread
 
 
 def test_when_layers_fuse(monkeypatch):
-    monkeypatch.setattr(layers_mod, "_has_triton", lambda: True)
+    monkeypatch.setattr(train_modes, "_has_triton", lambda: True)
     assert fuses_elementwise(None, "cuda", compiled=False)
     assert not fuses_elementwise(None, "cuda", compiled=True)  # whole layers are compiled instead
     assert not fuses_elementwise(None, "cpu", compiled=False)
     assert fuses_elementwise(True, "cpu", compiled=False) and not fuses_elementwise(False, "cuda", False)
-    monkeypatch.setattr(layers_mod, "_has_triton", lambda: False)
+    monkeypatch.setattr(train_modes, "_has_triton", lambda: False)
     assert not fuses_elementwise(None, "cuda", compiled=False)
     with pytest.raises(ConfigError, match="train.fuse_elementwise=true .*Triton"):
         fuses_elementwise(True, "cuda", compiled=False)
@@ -76,18 +76,18 @@ def test_when_layers_fuse(monkeypatch):
 def test_fused_kernels_are_chosen_per_device_compile_until_liger_is_measured(monkeypatch):
     """train.fuse_elementwise=auto|compile|liger|none (null, true, false as before):
     auto takes liger only on the device kinds LIGER_AUTO_DEVICES lists (none yet)."""
-    monkeypatch.setattr(layers_mod, "_has_triton", lambda: True)
-    monkeypatch.setattr(layers_mod, "liger_installed", lambda: True)
-    kernels = layers_mod.elementwise_kernels
-    assert layers_mod.LIGER_AUTO_DEVICES == frozenset()
+    monkeypatch.setattr(train_modes, "_has_triton", lambda: True)
+    monkeypatch.setattr(train_modes, "_liger_installed", lambda: True)
+    kernels = train_modes.elementwise_kernels
+    assert train_modes.LIGER_AUTO_DEVICES == frozenset()
     assert kernels(None, "cuda", False, device_kind="H200") == kernels("auto", "cuda", False) == "compile"
     assert kernels("auto", "cpu", False) == "none" and kernels("auto", "cuda", True) == "none"
     assert kernels(True, "cuda", False) == "compile" and kernels(False, "cuda", False) == "none"
     assert kernels("liger", "cuda", False) == "liger" and kernels("none", "cuda", False) == "none"
-    monkeypatch.setattr(layers_mod, "LIGER_AUTO_DEVICES", frozenset({"H200"}))
+    monkeypatch.setattr(train_modes, "LIGER_AUTO_DEVICES", frozenset({"H200"}))
     assert kernels(None, "cuda", False, device_kind="H200") == "liger"
     assert kernels(None, "cuda", False, device_kind="A100") == "compile"
-    monkeypatch.setattr(layers_mod, "liger_installed", lambda: False)
+    monkeypatch.setattr(train_modes, "_liger_installed", lambda: False)
     assert kernels(None, "cuda", False, device_kind="H200") == "compile"  # auto never needs it
     assert kernels("liger", "cuda", False, local=False) == "liger"  # the planner assumes the cluster's
     with pytest.raises(ConfigError, match=r"=liger: liger-kernel is not installed on this rank's machine: "

@@ -1,10 +1,13 @@
 """`python -m hetpipe.plan` as a user runs it: the table, plan.yaml, sweeps, errors, profiles."""
 import json
+import subprocess
+import sys
+
 import pytest
 
 import yaml
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from hetpipe.partitioner.plan_data import Plan
 
 PAPER = ["+model=llama8b", "cluster=h200_mi325x_2node", "train.seq_length=4096", "train.micro_batch_size=1",
@@ -86,6 +89,28 @@ def test_bad_input_is_one_line_with_the_shortfall(tmp_path):
     assert proc.returncode == 2 and "no model chosen: add +model=NAME" in proc.stderr
     assert "short by" in run_cli(["-m", "hetpipe.plan", *PAPER, *cases[0][0],
                                   f"hydra.run.dir={tmp_path}"], timeout=120).stderr
+
+
+# Plans in a fresh interpreter (run_cli's forked one has torch loaded) and says whether torch came in.
+PLAN_AND_REPORT_TORCH = """import sys
+from hetpipe.plan import cli
+sys.argv[0] = "plan"
+try:
+    cli()
+finally:
+    print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_planning_imports_no_torch(tmp_path):
+    # Importing torch took most of a planning command's start; the planner needs only numpy.
+    args = ["+model=tiny_llama", "cluster=h200_mi325x_2node", *TINY[2:], f"output={tmp_path / 'plan.yaml'}",
+            f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-c", PLAN_AND_REPORT_TORCH, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert Plan.load(tmp_path / "plan.yaml").stages
+    assert "torch imported: False" in proc.stderr, proc.stderr
 
 
 def test_profile_on_cpu_feeds_the_planner(tmp_path):

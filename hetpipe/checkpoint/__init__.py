@@ -32,14 +32,25 @@ Where things live, along the two paths a checkpoint takes:
   model), ``hf_import`` (seeding from a Hugging Face directory);
 * ``settings``: the ``checkpoint`` config group.
 """
-from hetpipe.checkpoint.settings import CheckpointConfig, resolve_save_dir, should_save
-from hetpipe.checkpoint.hf_import import load_hf_weights
-from hetpipe.checkpoint.layout import latest_checkpoint, resolve_checkpoint
-from hetpipe.checkpoint.load import LoadedCheckpoint, load_checkpoint
-from hetpipe.checkpoint.resume import restore
-from hetpipe.checkpoint.manifest import Checkpoint, CheckpointError
-from hetpipe.checkpoint.sync_save import save_checkpoint
-from hetpipe.checkpoint.saver import CheckpointSaver
+import importlib
+
+# name -> the submodule defining it, imported when the name is first used: the config
+# schema reads only settings, and planning imports no torch (saving and loading do).
+_SUBMODULE = {
+    "CheckpointConfig": "settings",
+    "resolve_save_dir": "settings",
+    "should_save": "settings",
+    "load_hf_weights": "hf_import",
+    "latest_checkpoint": "layout",
+    "resolve_checkpoint": "layout",
+    "LoadedCheckpoint": "load",
+    "load_checkpoint": "load",
+    "restore": "resume",
+    "Checkpoint": "manifest",
+    "CheckpointError": "manifest",
+    "save_checkpoint": "sync_save",
+    "CheckpointSaver": "saver",
+}
 
 __all__ = [
     "Checkpoint",
@@ -56,3 +67,10 @@ __all__ = [
     "save_checkpoint",
     "should_save",
 ]
+
+
+def __getattr__(name: str):
+    """``hetpipe.checkpoint.NAME``: NAME from its submodule, imported on first use."""
+    if name in _SUBMODULE:
+        return getattr(importlib.import_module(f"{__name__}.{_SUBMODULE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,16 +10,28 @@ DP ranks; for a weighted blend of sources, Megatron's mixing rule in
 consumes).
 """
 
-from hetpipe.data.blend import BlendSchedule
-from hetpipe.data.demo import demo_corpus
-from hetpipe.data.epochs import EpochOrder
-from hetpipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
-from hetpipe.data.loader import MicrobatchLoader
-from hetpipe.data.packed import PackedSequenceDataset
-from hetpipe.data.sampler import GlobalBatchSampler
-from hetpipe.data.sources import DataSource, parse_data_path
-from hetpipe.data.split import parse_split, split_documents
-from hetpipe.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+import importlib
+
+# name -> the submodule defining it, imported when the name is first used: the config
+# schema reads only sources and split, and planning imports no torch (the loader's).
+_SUBMODULE = {
+    "BlendSchedule": "blend",
+    "demo_corpus": "demo",
+    "EpochOrder": "epochs",
+    "IndexedDataset": "indexed",
+    "IndexedDatasetWriter": "indexed",
+    "optimal_dtype": "indexed",
+    "MicrobatchLoader": "loader",
+    "PackedSequenceDataset": "packed",
+    "GlobalBatchSampler": "sampler",
+    "DataSource": "sources",
+    "parse_data_path": "sources",
+    "parse_split": "split",
+    "split_documents": "split",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
 
 __all__ = [
     "BlendSchedule",
@@ -39,3 +51,10 @@ __all__ = [
     "parse_split",
     "split_documents",
 ]
+
+
+def __getattr__(name: str):
+    """``hetpipe.data.NAME``: NAME from its submodule, imported on first use."""
+    if name in _SUBMODULE:
+        return getattr(importlib.import_module(f"{__name__}.{_SUBMODULE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,14 +22,16 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
-import torch
-
 from hetpipe.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
 from hetpipe.devices.catalog import DeviceSpec, detect_device_type
 from hetpipe.devices.vendor import detect_vendor
 
+# torch is imported inside the functions that measure a device: the planner reads only
+# local_device_type's catalog answer for declared types, and plans without torch.
 if TYPE_CHECKING:
+    import torch
+
     from hetpipe.partitioner.plan_data import Plan
 
 GIB = 2**30
@@ -64,6 +66,8 @@ def device_facts(device: Optional[torch.device] = None, catalog: Optional[Mappin
                  free: bool = True) -> DeviceFacts:
     """The facts of ``device`` (a CUDA/HIP device, or the CPU; default: the current GPU if any).
     ``free=False`` leaves free memory unmeasured: measuring it opens a context on the GPU."""
+    import torch
+
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
@@ -74,11 +78,15 @@ def device_facts(device: Optional[torch.device] = None, catalog: Optional[Mappin
 
 
 def _cpu_facts() -> DeviceFacts:
+    import torch
+
     total, available = host_memory_gib()
     return DeviceFacts("cpu", "cpu", "cpu", torch.__version__, platform.machine(), total, available, "CPU")
 
 
 def _gpu_facts(index: int, catalog: Optional[Mapping[str, DeviceSpec]], free: bool) -> DeviceFacts:
+    import torch
+
     props = torch.cuda.get_device_properties(index)
     free_gib = torch.cuda.mem_get_info(index)[0] / GIB if free else None
     total = props.total_memory / GIB
@@ -90,6 +98,8 @@ def _gpu_facts(index: int, catalog: Optional[Mapping[str, DeviceSpec]], free: bo
 
 def gpu_arch(index: int) -> str:
     """'gfx942' on ROCm (gcnArchName without its feature flags), 'sm_90' on CUDA."""
+    import torch
+
     if torch.version.hip:
         return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
     major, minor = torch.cuda.get_device_capability(index)
@@ -98,6 +108,8 @@ def gpu_arch(index: int) -> str:
 
 def runtime_build() -> str:
     """The GPU runtime this torch was built for: 'CUDA 13.0', 'ROCm 6.4', or 'cpu'."""
+    import torch
+
     if torch.version.hip:
         return "ROCm " + ".".join(torch.version.hip.split(".")[:2])
     return f"CUDA {torch.version.cuda}" if torch.version.cuda else "cpu"
@@ -167,6 +179,8 @@ def needs_gpu(cluster: ClusterConfig, group: GroupConfig) -> bool:
 
 def no_gpu_line(cluster: ClusterConfig, index: int, finds: str) -> str:
     """The one line for GPU group ``index`` where ``finds`` ("rank 0 finds none") says no GPU was seen."""
+    import torch
+
     group = cluster.groups[index]
     kind = f"{group.vendor} GPUs" if group.device_type == "auto" else f"{group.device_type} GPUs"
     on_purpose = "set cluster.allow_cpu=true to run it on the CPU on purpose" if group.device_type == "auto" \
@@ -224,6 +238,8 @@ def local_devices(cluster: ClusterConfig, catalog: Optional[Mapping[str, DeviceS
     """rank -> the facts of the device a local launch gives it: the CPU for a group on CPUs,
     else GPU ``rank``; no entry for a rank without a GPU (its rank says so itself), and
     the CPU for every GPU rank of a machine without one."""
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     found = {}
     for index, group in enumerate(cluster.groups):

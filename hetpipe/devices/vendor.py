@@ -6,11 +6,13 @@ visible GPU the rank is a CPU rank (used for emulated clusters).
 """
 from __future__ import annotations
 
-import torch
+# torch is imported by each function: the planner imports this module and plans without torch.
 
 
 def detect_vendor() -> str:
     """'amd', 'nvidia' or 'cpu' for this process."""
+    import torch
+
     if not torch.cuda.is_available():
         return "cpu"
     return "amd" if getattr(torch.version, "hip", None) else "nvidia"
@@ -18,6 +20,8 @@ def detect_vendor() -> str:
 
 def accelerator_name() -> str:
     """The current device's marketing name ('NVIDIA H200'), or 'cpu'."""
+    import torch
+
     if not torch.cuda.is_available():
         return "cpu"
     return torch.cuda.get_device_name(torch.cuda.current_device())
