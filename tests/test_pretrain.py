@@ -233,7 +233,7 @@ def test_config_values_are_checked():
     with pytest.raises(ConfigError, match="lr_decay_style"):
         resolve({"model": {"name": "m"}, "optimizer": {"lr_decay_style": "exp"}})
     with pytest.raises(ConfigError, match="train.precision"):
-        resolve({"model": {"name": "m"}, "train": {"precision": "fp8"}})
+        resolve({"model": {"name": "m"}, "train": {"precision": "fp4"}})
     with pytest.raises(ConfigError, match="transport.kind"):
         resolve({"model": {"name": "m"}, "cluster": {"transport": {"kind": "carrier-pigeon"}}})
 
