@@ -77,6 +77,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from hetpipe import console_log
 from hetpipe.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, HetpipeError, error_line,
                             fail)
+from hetpipe.launch.dir_lock import release_all as release_dir_locks
 from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
 from hetpipe.launch.fd_limit import ensure_fd_limit, launcher_need
 from hetpipe.launch.frozen_ranks import FrozenNotes
@@ -462,6 +463,7 @@ def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
         if agent.forked:  # what the local launcher's atexit hooks would do: its directory, its fork server
             shutil.rmtree(agent.launch_dir, ignore_errors=True)
             _kill_fork_server()
+    release_dir_locks()  # what its atexit hook would do: a failed job leaves no lock file behind
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -57,7 +57,7 @@ class FrozenNotes:
         for pid, rank in self._ranks.items():
             state = process_state(pid)
             if state in STOPPED_STATES and pid not in self._noted:
-                body = Frozen(rank, pid, time.time(), self._node)._asdict()
+                body = {"rank": rank, "pid": pid, "since": time.time(), "node": self._node}  # a Frozen, sealed
                 self._store.set(_key(rank), self._seal.seal(_key(rank), body))
                 self._noted.add(pid)
             elif state not in (*STOPPED_STATES, *GONE_STATES) and pid in self._noted:
