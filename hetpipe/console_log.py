@@ -21,11 +21,14 @@ console is torchrun's, and nothing is kept here.
 """
 from __future__ import annotations
 
+import array
 import atexit
+import fcntl
 import os
 import select
 import signal
 import sys
+import termios
 import time
 from pathlib import Path
 from typing import Optional
@@ -35,9 +38,11 @@ _HELD_BYTES = 1 << 20
 # The tee ignores these: they reach every process of a job (Slurm's stop, a terminal's Ctrl-C),
 # and the tee must write the lines the job prints on its way out.
 _IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-# How long a launcher that ends waits for the tee to write what is left (it ends as soon as
+# How long, at most, a launcher that ends waits for the tee to read what is left (it ends as soon as
 # the ranks and their fork server are gone, which the launcher sees to first).
 _DRAIN_S = 2.0
+# What the tee takes to write on a read it made (64 KiB at most) once the pipe is empty.
+_WRITE_S = 0.02
 
 _tee: Optional[tuple[int, int]] = None  # (the tee's pid, the write end of its control pipe)
 
@@ -73,18 +78,31 @@ def keep_in(path: Path) -> None:
 
 
 def drain() -> None:
-    """A launcher that ends: hand the tee the last of its output and wait (briefly) for it to
-    be written, so that a terminal's prompt does not come before the job's last line."""
+    """A launcher that ends: wait (briefly) until the tee has read what it was handed, so
+    that a terminal's prompt does not come before the job's last line. Not until the tee
+    ends: helpers this process started (multiprocessing's resource tracker) hold the pipes
+    until it is gone, and waiting for them cost every run the whole of :data:`_DRAIN_S`."""
     if _tee is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    until = time.monotonic() + _DRAIN_S
+    while time.monotonic() < until and _unread(1) + _unread(2) and os.waitpid(_tee[0], os.WNOHANG) == (0, 0):
+        time.sleep(0.01)
+    time.sleep(_WRITE_S)  # the tee's last read, written on
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)
     os.dup2(quiet, 2)
-    until = time.monotonic() + _DRAIN_S
-    while time.monotonic() < until and os.waitpid(_tee[0], os.WNOHANG) == (0, 0):
-        time.sleep(0.01)
+
+
+def _unread(fd: int) -> int:
+    """Bytes written into the pipe ``fd`` and not read yet (Linux answers FIONREAD on either end)."""
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, count)
+    except OSError:
+        return 0
+    return count[0]
 
 
 # -- the tee process -----------------------------------------------------------------------------
