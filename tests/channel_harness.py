@@ -68,8 +68,18 @@ class Ranks:
         try:
             self.store.wait([f"harness/started/{r}" for r in self.procs], timedelta(seconds=self.timeout))
         except RuntimeError:
-            pass  # a rank that failed first says why in results()
+            states = self._states()
+            self.__exit__()
+            raise AssertionError(f"a rank did not reach the store within {self.timeout} s: {states}") from None
         return self
+
+    def _states(self) -> str:
+        """Each rank's process state and whatever the ranks reported, for a rank that never started."""
+        states = [f"rank {r}: pid {p.pid}, exit code {p.exitcode}" for r, p in self.procs.items()]
+        while not self.queue.empty():
+            rank, status, value = self.queue.get_nowait()
+            states.append(f"rank {rank} {status}: {value}")
+        return "; ".join(states)
 
     def results(self) -> dict[int, object]:
         out: dict[int, object] = {}
