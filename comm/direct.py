@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hetpipe.cluster import MOVERS
+from hetpipe.devices.cluster import MOVERS
 from hetpipe.comm.channel import (
     HEADER_SIZE,
     MAGIC,
@@ -166,7 +166,7 @@ def _auto_mover(device: torch.device | None, address: str, deadline: float) -> M
     return ShmMover()
 
 
-# Every name of hetpipe.cluster.MOVERS and how it is built; a new mover is one entry here (and its
+# Every name of hetpipe.devices.cluster.MOVERS and how it is built; a new mover is one entry here (and its
 # name in MOVERS). 'mooncake-*' is Mooncake's transfer engine over that protocol, reached at
 # ``address`` (any two hosts).
 _MOVER_MAKERS: dict[str, Callable[[torch.device | None, str, float], Mover]] = {
@@ -182,7 +182,7 @@ _MOVER_MAKERS: dict[str, Callable[[torch.device | None, str, float], Mover]] = {
 
 def make_mover(kind: str, device: torch.device | None, *, address: str = "127.0.0.1",
                deadline: float = 300.0) -> Mover:
-    """The mover named ``kind``, one of :data:`~hetpipe.cluster.MOVERS` (see ``_MOVER_MAKERS``)."""
+    """The mover named ``kind``, one of :data:`~hetpipe.devices.cluster.MOVERS` (see ``_MOVER_MAKERS``)."""
     maker = _MOVER_MAKERS.get(kind)
     if maker is None:
         raise ChannelError(f"unknown mover {kind!r}; expected one of {MOVERS}")
@@ -190,7 +190,7 @@ def make_mover(kind: str, device: torch.device | None, *, address: str = "127.0.
 
 
 class DirectChannel(ThreadedChannel[_DirectPeer]):
-    """Boundary channel whose bytes move through ``mover`` (:data:`~hetpipe.cluster.MOVERS`), controlled over TCP.
+    """Boundary channel whose bytes move through ``mover`` (:data:`~hetpipe.devices.cluster.MOVERS`), controlled over TCP.
 
     ``store`` and ``token`` play the same roles as for TcpChannel (every rank
     of the job uses the same token). ``deadline`` bounds the rendezvous and is

@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.comm.channel import Channel, ChannelError
 from hetpipe.comm.direct import DirectChannel
 from hetpipe.comm.gloo import GlooChannel

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
 from hetpipe.devices.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig

@@ -24,15 +24,15 @@ RUNTIME = "runtime"
 LAYER_OF = {
     "hetpipe": RUNTIME,
     "hetpipe.errors": GROUND,
-    "hetpipe.cluster": GROUND,
-    "hetpipe.torch_compat": GROUND,
-    "hetpipe.known_warnings": GROUND,
-    "hetpipe.value_checks": GROUND,
-    "hetpipe.suggest": GROUND,  # "did you mean", for errors.py's one-line hydra errors
-    "hetpipe.foreign_flags": GROUND,  # Megatron-LM's and torchtitan's flags, answered by errors.py
+    "hetpipe.devices.cluster": GROUND,
+    "hetpipe.process.torch_compat": GROUND,
+    "hetpipe.process.known_warnings": GROUND,
+    "hetpipe.errors.value_checks": GROUND,
+    "hetpipe.errors.suggest": GROUND,  # "did you mean", for errors.py's one-line hydra errors
+    "hetpipe.errors.foreign_flags": GROUND,  # Megatron-LM's and torchtitan's flags, answered by errors.py
     "hetpipe.devices": GROUND,
     "hetpipe.pipeline": GROUND,  # actions, placements, the schedule registry and orders, the simulator
-    "hetpipe.pipeline.engine": RUNTIME,  # runs the vocabulary on models and channels
+    "hetpipe.training.engine": RUNTIME,  # runs the vocabulary on models and channels
     "hetpipe.parallel": "parallel",
     "hetpipe.data": "data",
     "hetpipe.comm": "comm",
@@ -88,7 +88,7 @@ def test_an_import_against_the_rule_is_found_and_named(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[tool.setuptools.package-dir]\nhetpipe = "hetpipe"\n'
                                              '"hetpipe.comm" = "comm"\n"hetpipe.models" = "models"\n'
                                              '"hetpipe.partitioner" = "partitioner"\n')
-    files = {"hetpipe/__init__.py": "", "hetpipe/errors.py": "", "hetpipe/trainer.py": "import hetpipe.comm.c\n",
+    files = {"hetpipe/__init__.py": "", "hetpipe/errors/__init__.py": "", "hetpipe/training/trainer.py": "import hetpipe.comm.c\n",
              "comm/__init__.py": "", "comm/c.py": "from hetpipe.errors import x\n",
              "models/__init__.py": "", "models/m.py": "def f():\n    import hetpipe.partitioner.p\n",
              "partitioner/__init__.py": "", "partitioner/p.py": "import hetpipe.models.m\n"}
@@ -97,5 +97,5 @@ def test_an_import_against_the_rule_is_found_and_named(tmp_path):
         (tmp_path / name).write_text(text)
     assert violations(tmp_path) == ["models/m.py:2: hetpipe.models.m (models) imports hetpipe.partitioner.p "
                                     "(partitioner)"]
-    (tmp_path / "comm/c.py").write_text("from hetpipe.trainer import y\n")
-    assert violations(tmp_path)[0] == "comm/c.py:1: hetpipe.comm.c (comm) imports hetpipe.trainer (runtime)"
+    (tmp_path / "comm/c.py").write_text("from hetpipe.training.trainer import y\n")
+    assert violations(tmp_path)[0] == "comm/c.py:1: hetpipe.comm.c (comm) imports hetpipe.training.trainer (runtime)"

@@ -20,7 +20,7 @@ command line and a rank's first training step, and after its last.
   cause in the store, sealed with the job secret (forgeries are ignored);
 * :mod:`~hetpipe.launch.store_calls` - store requests that end in time when
   the way to the store is gone;
-* :mod:`~hetpipe.launch.rank_env` - this process's rank and restart attempt,
+* :mod:`~hetpipe.process.rank_env` - this process's rank and restart attempt,
   from its launcher's environment;
 * :mod:`~hetpipe.launch.nodes` - which node each rank runs on, and the roll call;
 * :mod:`~hetpipe.launch.scheduler_env` - a node's place from plain variables,
@@ -32,9 +32,9 @@ command line and a rank's first training step, and after its last.
 * :mod:`~hetpipe.launch.dir_lock` and :mod:`~hetpipe.launch.job_dirs` - one live
   job per run and checkpoint directory, locked before anything is written there;
 * :mod:`~hetpipe.launch.preemption` - saving on a scheduler's stop signal;
-* :mod:`~hetpipe.launch.faults` - injected faults, for tests of all of the above.
+* :mod:`~hetpipe.process.faults` - injected faults, for tests of all of the above.
 
 Nothing is imported here: a CLI imports :mod:`~hetpipe.launch.local` before
 torch (to start the fork server early), and the checkpoint saver imports
-:mod:`~hetpipe.launch.faults` and :mod:`~hetpipe.launch.rank_env` alone.
+:mod:`~hetpipe.process.faults` and :mod:`~hetpipe.process.rank_env` alone.
 """

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.comm.nics import network_identity
 from hetpipe.devices.facts import DeviceFacts
 from hetpipe.errors import EXIT_LOST_PEER, HetpipeError

@@ -17,7 +17,7 @@ partitioner, the launcher, the doctor, checkpoints or the trainer.
   with their sends and receives), and forward-only for validation;
 * :mod:`~hetpipe.pipeline.schedule_check` - the simulator that proves a
   schedule and measures its peaks and makespan;
-* :mod:`~hetpipe.pipeline.engine` - runs one rank's action list over
+* :mod:`~hetpipe.training.engine` - runs one rank's action list over
   StageLinks.
 
 Nothing is imported here, so that a planner importing the vocabulary does

@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.factory import build_rank_channels
 from hetpipe.comm.nics import Nic, check_dialable, resolve_local_nics, selection_setting, socket_ifname
 from hetpipe.comm.stage_link import StageLink
@@ -41,8 +41,8 @@ from hetpipe.launch.job_watch import JobWatch, namespace
 from hetpipe.launch.nodes import NodeMap, roll_call
 from hetpipe.devices.catalog import DeviceSpec
 from hetpipe.partitioner.plan_data import Plan
-from hetpipe.known_warnings import SM_CARVEOUT, native_lines_hidden
-from hetpipe.torch_compat import NCCL_DEFAULT_TIMEOUT, nccl_group_options, set_gemm_sm_carveout
+from hetpipe.process.known_warnings import SM_CARVEOUT, native_lines_hidden
+from hetpipe.process.torch_compat import NCCL_DEFAULT_TIMEOUT, nccl_group_options, set_gemm_sm_carveout
 
 
 def launched_multi_node(cluster: ClusterConfig) -> bool:

@@ -14,7 +14,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import hetpipe.value_checks as value_checks
+import hetpipe.errors.value_checks as value_checks
 from hetpipe.errors import ConfigError
 
 VENDORS = ("nvidia", "amd", "cpu", "auto")
@@ -115,7 +115,7 @@ class TransportConfig:
     # boundary communicators on NVIDIA ranks that have any; 0: off. On 2xH200
     # (LLaMA-3-8B, seq 4096) 2 CTAs with 4 SMs carved out ran 6.3 % faster
     # than 4 CTAs without (docs/benchmarks.md). See
-    # hetpipe/topology.py:apply_gemm_sm_carveout.
+    # hetpipe/training/topology.py:apply_gemm_sm_carveout.
     gemm_sm_carveout: Optional[int] = None
 
 
