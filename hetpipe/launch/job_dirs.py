@@ -82,7 +82,6 @@ def _node(cluster: ClusterConfig) -> int:
     (a local launch is one node, node 0)."""
     if not under_torchrun():
         return 0
-    from hetpipe.launch.nodes import NodeMap
-    from hetpipe.training.topology import launched_multi_node
+    from hetpipe.launch.nodes import NodeMap, launched_multi_node
 
     return NodeMap.layout(cluster, launched_multi_node(cluster)).node_of[int(os.environ["RANK"])]

@@ -38,18 +38,11 @@ from hetpipe.devices.facts import DeviceFacts, check_devices, device_facts, devi
 from hetpipe.errors import ConfigError
 from hetpipe.launch.job_secret import require_job_secret
 from hetpipe.launch.job_watch import JobWatch, namespace
-from hetpipe.launch.nodes import NodeMap, roll_call
+from hetpipe.launch.nodes import NodeMap, launched_multi_node, roll_call
 from hetpipe.devices.catalog import DeviceSpec
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.process.known_warnings import SM_CARVEOUT, native_lines_hidden
 from hetpipe.process.torch_compat import NCCL_DEFAULT_TIMEOUT, nccl_group_options, set_gemm_sm_carveout
-
-
-def launched_multi_node(cluster: ClusterConfig) -> bool:
-    """The job spans more than one node: the cluster config says so, or the launcher
-    started more than one (launch_cluster.sh's HETPIPE_NNODES, torchrun's GROUP_WORLD_SIZE)."""
-    counts = (os.environ.get(name, "").strip() for name in ("HETPIPE_NNODES", "GROUP_WORLD_SIZE"))
-    return not cluster.single_node or any(c.isdigit() and int(c) > 1 for c in counts)
 
 
 def point_socket_interfaces(nics: list[Nic]) -> str:
