@@ -16,10 +16,9 @@ from typing import List, Optional
 
 import hetpipe.errors.value_checks as value_checks
 from hetpipe.errors import ConfigError
+from hetpipe.pipeline.transports import MOVERS, TRANSPORTS, transport
 
 VENDORS = ("nvidia", "amd", "cpu", "auto")
-TRANSPORTS = ("tcp", "direct", "gloo", "auto")
-MOVERS = ("auto", "shm", "ipc", "mooncake-tcp", "mooncake-rdma")
 
 
 @dataclass
@@ -152,8 +151,7 @@ class ClusterConfig:
                 raise ConfigError(f"cluster group {g.name!r}: vendor {g.vendor!r} is not one of {VENDORS}")
             if g.nodes <= 0 or g.ranks_per_node <= 0:
                 raise ConfigError(f"cluster group {g.name!r}: nodes and ranks_per_node must be positive")
-        if self.transport.kind not in TRANSPORTS:
-            raise ConfigError(f"cluster.transport.kind={self.transport.kind!r} is not one of {TRANSPORTS}")
+        entry = transport(self.transport.kind)
         if self.transport.mover not in MOVERS:
             raise ConfigError(f"cluster.transport.mover={self.transport.mover!r} is not one of {MOVERS}")
         if not self.transport.addresses or self.transport.streams_per_address <= 0:
@@ -170,9 +168,10 @@ class ClusterConfig:
                                   "10.201.0.0/24") from None
         value_checks.positive("cluster.transport.deadline_s", self.transport.deadline_s,
                               why=": a number of seconds every boundary wait may take")
-        if self.transport.message_mac and self.transport.kind in ("direct", "gloo"):
-            raise ConfigError(f"cluster.transport.message_mac covers the tcp channel's frames only, not "
-                              f"kind={self.transport.kind}: use kind=tcp, or message_mac=false")
+        if self.transport.message_mac and not entry.message_mac:
+            macs = [k for k, t in TRANSPORTS.items() if t.message_mac]
+            raise ConfigError(f"cluster.transport.message_mac covers the {'/'.join(macs)} channel's frames only, "
+                              f"not kind={self.transport.kind}: use kind={macs[0]}, or message_mac=false")
         if self.transport.nccl_max_ctas is not None and self.transport.nccl_max_ctas <= 0:
             raise ConfigError(f"cluster.transport.nccl_max_ctas={self.transport.nccl_max_ctas} must be a "
                               "positive number of CTAs (or null for NCCL's choice)")

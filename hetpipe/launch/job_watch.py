@@ -439,7 +439,7 @@ def _is_secondary(exc: BaseException) -> bool:
 
 def _is_comm_failure(exc: BaseException) -> bool:
     """torch.distributed failures (gloo raises plain RuntimeErrors that name its transport)."""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and dist.Backend.GLOO in str(exc))
 
 
 def stop_rank(exc: BaseException) -> NoReturn:

@@ -41,6 +41,7 @@ from hetpipe.launch.job_watch import JobWatch, namespace
 from hetpipe.launch.nodes import NodeMap, launched_multi_node, roll_call
 from hetpipe.devices.catalog import DeviceSpec
 from hetpipe.partitioner.plan_data import Plan
+from hetpipe.pipeline.transports import transport
 from hetpipe.process.known_warnings import SM_CARVEOUT, native_lines_hidden
 from hetpipe.process.torch_compat import NCCL_DEFAULT_TIMEOUT, nccl_group_options, set_gemm_sm_carveout
 
@@ -332,9 +333,10 @@ class Topology:
         environment or an owner-only file (:mod:`hetpipe.launch.job_secret`), never through the
         store, which anyone who reaches it can read and rewrite. Asked on every rank, so a
         job that needs one and has none stops on every rank with the same line; '' for a
-        job whose boundaries need no handshake (all same-vendor, or the gloo transport)."""
+        job whose boundaries need no handshake (all same-vendor, or a transport whose entry
+        needs no secret: hetpipe/pipeline/transports.py)."""
         crosses = any(self.is_cross_vendor(*d) for a, b in self._stage_pairs() for d in self.routes(a, b))
-        if not crosses or self.cluster.transport.kind == "gloo":
+        if not crosses or not transport(self.cluster.transport.kind).needs_job_secret:
             return ""
         return require_job_secret(os.environ)
 
