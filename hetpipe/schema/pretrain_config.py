@@ -395,9 +395,10 @@ class PartitionConfig:
     # Boundary receives the engine keeps posted ahead of use (1: each receive
     # is posted when the schedule reaches it, as Megatron does). None (auto): 1
     # on ranks with an NCCL/RCCL boundary - a posted NCCL receive is a kernel
-    # holding SMs until its data arrives, and with 2 ahead the stage's GEMMs
-    # ran 15 % slower on 2xH200 - and 2 elsewhere (hetpipe's channels move
-    # bytes by copy engine or host threads, so receiving early costs no SMs).
+    # holding SMs until its data arrives, which slows the stage's GEMMs
+    # (docs/benchmarks.md, "bf16 mode, LLaMA-3-8B PP2 on 2x NVIDIA H200") - and
+    # 2 elsewhere (hetpipe's channels move bytes by copy engine or host
+    # threads, so receiving early costs no SMs).
     recv_ahead: Optional[int] = None
 
     def __post_init__(self) -> None:
