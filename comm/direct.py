@@ -40,12 +40,11 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from hetpipe.cluster import MOVERS
 from hetpipe.comm.channel import (
     HEADER_SIZE,
     MAGIC,
@@ -66,6 +65,10 @@ from hetpipe.comm.rendezvous import connect_peers
 from hetpipe.comm.shm_mover import ShmMover
 from hetpipe.comm.sockets import recv_exact
 from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
+from hetpipe.pipeline.transports import MOVERS
+
+if TYPE_CHECKING:
+    from hetpipe.devices.cluster import ClusterConfig
 
 # Control message: magic, type, sequence number, payload length; then the payload.
 _MSG = struct.Struct("<4sBQI")
@@ -166,7 +169,7 @@ def _auto_mover(device: torch.device | None, address: str, deadline: float) -> M
     return ShmMover()
 
 
-# Every name of hetpipe.cluster.MOVERS and how it is built; a new mover is one entry here (and its
+# Every name of hetpipe.pipeline.transports.MOVERS and how it is built; a new mover is one entry here (and its
 # name in MOVERS). 'mooncake-*' is Mooncake's transfer engine over that protocol, reached at
 # ``address`` (any two hosts).
 _MOVER_MAKERS: dict[str, Callable[[torch.device | None, str, float], Mover]] = {
@@ -182,7 +185,7 @@ _MOVER_MAKERS: dict[str, Callable[[torch.device | None, str, float], Mover]] = {
 
 def make_mover(kind: str, device: torch.device | None, *, address: str = "127.0.0.1",
                deadline: float = 300.0) -> Mover:
-    """The mover named ``kind``, one of :data:`~hetpipe.cluster.MOVERS` (see ``_MOVER_MAKERS``)."""
+    """The mover named ``kind``, one of :data:`~hetpipe.pipeline.transports.MOVERS` (see ``_MOVER_MAKERS``)."""
     maker = _MOVER_MAKERS.get(kind)
     if maker is None:
         raise ChannelError(f"unknown mover {kind!r}; expected one of {MOVERS}")
@@ -190,7 +193,7 @@ def make_mover(kind: str, device: torch.device | None, *, address: str = "127.0.
 
 
 class DirectChannel(ThreadedChannel[_DirectPeer]):
-    """Boundary channel whose bytes move through ``mover`` (:data:`~hetpipe.cluster.MOVERS`), controlled over TCP.
+    """Boundary channel whose bytes move through ``mover`` (:data:`~hetpipe.pipeline.transports.MOVERS`), controlled over TCP.
 
     ``store`` and ``token`` play the same roles as for TcpChannel (every rank
     of the job uses the same token). ``deadline`` bounds the rendezvous and is
@@ -417,3 +420,14 @@ class DirectChannel(ThreadedChannel[_DirectPeer]):
             peer.sock.close()
         self._cache.clear()
         self.mover.close()
+
+
+def build_channel(rank: int, group: list[int], *, names: Mapping[int, str], store: dist.Store,
+                  cluster: ClusterConfig, token: str, device: torch.device, addresses: list[str],
+                  route: str) -> DirectChannel:
+    """The transport registry's builder (hetpipe/pipeline/transports.py): this kind's channel
+    to ``group`` from the cluster config, as comm/factory.py builds every cross-vendor one."""
+    # Each mover's channel meets its peers under its own prefix: a rank may hold several.
+    return DirectChannel(rank, group, dict(names), dist.PrefixStore(f"hetpipe/mover/{route}", store),
+                         token=token, mover=route, deadline=cluster.transport.deadline_s, device=device,
+                         address=addresses[0])

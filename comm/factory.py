@@ -1,10 +1,11 @@
 """Which channel carries each of this rank's boundary ranks, and how each transport is built.
 
 The topology decides *which* ranks this rank exchanges activations with (its
-routes); this module knows every transport's constructor. Same-vendor
-neighbours share one :class:`~hetpipe.comm.p2p.TorchP2PChannel` over the
-per-direction process groups, cross-vendor neighbours one channel of the
-configured kind (``cluster.transport.kind``). Keeping that knowledge here
+routes); this module builds their channels. Same-vendor neighbours share one
+:class:`~hetpipe.comm.p2p.TorchP2PChannel` over the per-direction process
+groups, cross-vendor neighbours one channel of the configured kind
+(``cluster.transport.kind``), built by the function its entry in
+:mod:`hetpipe.pipeline.transports` names. Keeping that knowledge here
 keeps the topology to ranks, groups and routes (like torchtitan's
 ``ParallelDims``) and the engine to stages.
 
@@ -23,6 +24,7 @@ says what was chosen and why.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -32,32 +34,27 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.comm.channel import Channel, ChannelError
-from hetpipe.comm.direct import DirectChannel
-from hetpipe.comm.gloo import GlooChannel
 from hetpipe.comm.mooncake_mover import rdma_unavailable_reason
 from hetpipe.comm.nics import Nic, network_identity
 from hetpipe.comm.p2p import TorchP2PChannel
-from hetpipe.comm.tcp import TcpChannel
 from hetpipe.comm.threaded import ThreadedChannel
 from hetpipe.errors import ConfigError
+from hetpipe.pipeline.transports import AUTO, FALLBACK, ONE_HOST_MOVERS, TRANSPORTS, Transport, transport
 
 _FACTS_KEY = "hetpipe/direct_facts/{}"
 
 
-def check_transport_available(cluster: ClusterConfig) -> str:
-    """The cross-vendor channel kind this release runs for ``cluster.transport.kind``
-    ('tcp', 'direct' or 'gloo'); a :class:`ConfigError` if it cannot run on ``cluster``."""
-    kind, mover = cluster.transport.kind, cluster.transport.mover
-    if kind == "direct" and mover in ("shm", "ipc") and not cluster.single_node:
+def check_transport_available(cluster: ClusterConfig) -> Transport:
+    """The cross-vendor transport this release runs for ``cluster.transport.kind`` (auto: the
+    registry's fallback); a :class:`ConfigError` if it cannot run on ``cluster``."""
+    entry, mover = transport(cluster.transport.kind), cluster.transport.mover
+    if entry.movers and mover in ONE_HOST_MOVERS and not cluster.single_node:
         raise ConfigError(f"cluster.transport.mover={mover} maps memory of one host, but this cluster spans "
-                          "nodes: use mover=auto (Mooncake over RDMA where both ends have it, else tcp) or a "
-                          "mooncake mover")
-    # auto is the CPU-forwarding channel: direct's IPC mover needs one vendor's
-    # runtime on both sides (true only when emulating), and its RDMA path is
-    # not verified by hetpipe's tests (kind=direct opts in).
-    return "tcp" if kind == "auto" else kind
+                          f"nodes: use mover={AUTO} (Mooncake over RDMA where both ends have it, else "
+                          f"{FALLBACK.name}) or a mooncake mover")
+    return entry
 
 
 @dataclass(frozen=True)
@@ -77,16 +74,16 @@ class MoverFacts:
 def choose_mover(a: MoverFacts, b: MoverFacts) -> tuple[str, str]:
     """(mover, why) for a direct boundary between ranks with facts ``a`` and ``b`` under
     ``cluster.transport.mover=auto``; the mover is the same for (b, a), so both ends agree.
-    Mover 'tcp' means the boundary falls back to the tcp channel."""
+    A transport's name instead of a mover's means the boundary falls back to that channel."""
     if a.network == b.network:
         if a.runtime == b.runtime:
             return "auto", "one host: " + ("shared memory" if a.runtime == "cpu" else f"{a.runtime.upper()} IPC")
-        return "tcp", f"one host, but IPC cannot map {a.runtime} memory into a {b.runtime} rank"
+        return FALLBACK.name, f"one host, but IPC cannot map {a.runtime} memory into a {b.runtime} rank"
     missing = sorted(r for r in (a.rdma, b.rdma) if r is not None)
     if not missing:
         return "mooncake-rdma", ("two hosts, both with RDMA; RDMA, GPU memory over RDMA and ROCm are not "
                                  "verified by hetpipe's tests (docs/architecture.md)")
-    return "tcp", f"two hosts, no RDMA on one end: {missing[0]}"
+    return FALLBACK.name, f"two hosts, no RDMA on one end: {missing[0]}"
 
 
 class Sealer(Protocol):
@@ -151,7 +148,7 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
     """
     addresses = [nic.address for nic in nics]
     transport = cluster.transport
-    kind = check_transport_available(cluster)
+    entry = check_transport_available(cluster)
     by_rank: dict[int, Channel] = {}
     if same_vendor:
         p2p = TorchP2PChannel(rank, list(same_vendor), dict(names), dict(p2p_groups),
@@ -159,21 +156,17 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
         by_rank.update({r: p2p for r in same_vendor})
     if cross_vendor:
         peers = list(cross_vendor)
-        # Each peer's route: a channel kind (gloo, tcp) or, for kind=direct, the mover that carries it.
-        choices = {p: (kind, f"cluster.transport.kind={kind}") for p in peers}
-        if kind == "direct" and transport.mover == "auto":
-            mine = MoverFacts.local(device)
-            facts = exchange_mover_facts(store, rank, peers, mine, names, transport.deadline_s, seal)
-            choices = {p: choose_mover(facts[p], mine) for p in peers}
-        elif kind == "direct":
-            choices = {p: (transport.mover, f"cluster.transport.mover={transport.mover}") for p in peers}
+        choices = _routes(entry, peers, rank=rank, names=names, store=store, cluster=cluster, device=device,
+                          seal=seal)
         for route in sorted({route for route, _ in choices.values()}):
             group = [p for p in peers if choices[p][0] == route]
-            build = _CROSS_CHANNELS.get(route, _direct_channel)
+            # A route is a transport of its own (the kind, or a direct boundary's fallback) or a mover.
+            build = _builder(TRANSPORTS.get(route, entry))
             cross = build(rank, group, names=names, store=store, cluster=cluster, token=token, device=device,
                           addresses=addresses, route=route)
-            if kind == "direct":
-                label = "tcp channel (fallback)" if route == "tcp" else f"direct channel, mover {route}"
+            if entry.movers:
+                label = f"{route} channel (fallback)" if route in TRANSPORTS else \
+                    f"{entry.name} channel, mover {route}"
                 for p in group:
                     if rank < p:  # one line per boundary, from its lower rank
                         print(f"hetpipe: boundary {names[rank]} <-> {names[p]}: {label}: {choices[p][1]}",
@@ -184,29 +177,21 @@ def build_rank_channels(rank: int, *, same_vendor: Sequence[int], cross_vendor: 
     return by_rank
 
 
-def _gloo_channel(rank: int, group: list[int], *, names: Mapping[int, str], cluster: ClusterConfig,
-                  **_: object) -> Channel:
-    return GlooChannel(rank, group, dict(names), None, deadline=cluster.transport.deadline_s)
+def _routes(entry: Transport, peers: list[int], *, rank: int, names: Mapping[int, str], store: dist.Store,
+            cluster: ClusterConfig, device: torch.device, seal: Optional[Sealer]) -> dict[int, tuple[str, str]]:
+    """Each peer's route and why: the kind itself, or for a kind with movers the mover that
+    carries the boundary (chosen per boundary under mover=auto)."""
+    transport = cluster.transport
+    if not entry.movers:
+        return {p: (entry.name, f"cluster.transport.kind={entry.name}") for p in peers}
+    if transport.mover == AUTO:
+        mine = MoverFacts.local(device)
+        facts = exchange_mover_facts(store, rank, peers, mine, names, transport.deadline_s, seal)
+        return {p: choose_mover(facts[p], mine) for p in peers}
+    return {p: (transport.mover, f"cluster.transport.mover={transport.mover}") for p in peers}
 
 
-def _tcp_channel(rank: int, group: list[int], *, names: Mapping[int, str], store: dist.Store,
-                 cluster: ClusterConfig, token: str, device: torch.device, addresses: list[str],
-                 **_: object) -> Channel:
-    t = cluster.transport
-    return TcpChannel(rank, group, dict(names), store, token=token, addresses=addresses,
-                      streams_per_address=t.streams_per_address, deadline=t.deadline_s, device=device,
-                      message_mac=t.message_mac)
-
-
-def _direct_channel(rank: int, group: list[int], *, names: Mapping[int, str], store: dist.Store,
-                    cluster: ClusterConfig, token: str, device: torch.device, addresses: list[str],
-                    route: str) -> Channel:
-    # Each mover's channel meets its peers under its own prefix: a rank may hold several.
-    return DirectChannel(rank, group, dict(names), dist.PrefixStore(f"hetpipe/mover/{route}", store),
-                         token=token, mover=route, deadline=cluster.transport.deadline_s, device=device,
-                         address=addresses[0])
-
-
-# The cross-vendor channel of each route that is a channel kind of its own; any other route
-# is a direct channel's mover (hetpipe.comm.direct).
-_CROSS_CHANNELS: dict[str, Callable[..., Channel]] = {"gloo": _gloo_channel, "tcp": _tcp_channel}
+def _builder(entry: Transport) -> Callable[..., Channel]:
+    """The entry's channel builder, imported now: only the kinds a job runs are loaded."""
+    module, _, function = entry.builder.partition(":")
+    return getattr(importlib.import_module(module), function)

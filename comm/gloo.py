@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import queue
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,9 @@ from hetpipe.comm.channel import (
     header_for,
 )
 from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
+
+if TYPE_CHECKING:
+    from hetpipe.devices.cluster import ClusterConfig
 
 _HEADER_TAG = 0x4850
 _DATA_TAG = 0x4851
@@ -83,7 +87,7 @@ class GlooChannel(ThreadedChannel[_GlooPeer]):
         if not dist.is_initialized():
             raise ChannelError("GlooChannel needs torch.distributed to be initialized")
         backend = str(dist.get_backend(group))
-        if backend != "gloo":
+        if backend != dist.Backend.GLOO:
             raise ChannelError(f"GlooChannel needs a gloo process group, got backend {backend!r}")
         self.group = group
         self._peers = {p: _GlooPeer(rank=p, name=self.name_of(p)) for p in self.peers}
@@ -194,3 +198,10 @@ class GlooChannel(ThreadedChannel[_GlooPeer]):
         # Sends already posted to gloo finish (or time out) before the thread sees this;
         # the receive thread returns on the peer's error by itself.
         peer.sends.put(None)
+
+
+def build_channel(rank: int, group: list[int], *, names: Mapping[int, str], cluster: ClusterConfig,
+                  **_: object) -> GlooChannel:
+    """The transport registry's builder (hetpipe/pipeline/transports.py): this kind's channel
+    to ``group`` from the cluster config, as comm/factory.py builds every cross-vendor one."""
+    return GlooChannel(rank, group, dict(names), None, deadline=cluster.transport.deadline_s)

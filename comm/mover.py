@@ -21,7 +21,7 @@ mover call                        verbs equivalent (NOT implemented)
                                   then be redundant, kept for uniformity)
 ================================  ==========================================
 
-The movers (:data:`~hetpipe.cluster.MOVERS` names them, ``hetpipe.comm.direct``
+The movers (:data:`~hetpipe.pipeline.transports.MOVERS` names them, ``hetpipe.comm.direct``
 builds each from its entry in one table):
 :class:`~hetpipe.comm.shm_mover.ShmMover` (host shared memory of one host, what
 CI runs), :class:`~hetpipe.comm.ipc_mover.GpuIpcMover` (GPU memory of one host

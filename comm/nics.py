@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hetpipe.cluster import TransportConfig
+from hetpipe.devices.cluster import TransportConfig
 from hetpipe.errors import ConfigError
 
 def network_identity() -> str:

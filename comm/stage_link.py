@@ -8,7 +8,7 @@ vendor's P2P inside a group, the cross-vendor channel across one): a send goes
 to every rank of the neighbour that takes its data from this rank (one,
 several when the neighbour has more TP ranks, none when it has fewer), a
 receive comes from the one rank this rank takes its data from. The routes come
-from :meth:`hetpipe.topology.Topology.routes`.
+from :meth:`hetpipe.training.topology.Topology.routes`.
 
 A link is not a :class:`~hetpipe.comm.channel.Channel`: a channel's ``peer`` is
 always a global rank, and a link has no peer argument at all, since it

@@ -48,7 +48,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,9 @@ from hetpipe.comm.staging import HostStaging
 from hetpipe.comm.tcp_links import (Link, LinkStalled, StallNamingHandle, half_closed_report, link_of,
                                     split_pieces, stall_after, stall_report)
 from hetpipe.comm.threaded import PeerLost, PeerState, ThreadedChannel
+
+if TYPE_CHECKING:
+    from hetpipe.devices.cluster import ClusterConfig
 
 # Pieces up to this size go out in one send together with their header.
 _COALESCE_BYTES = 64 * 1024
@@ -447,3 +450,14 @@ class TcpChannel(ThreadedChannel[_TcpPeer]):
         for peer in self._peers.values():
             for link in peer.links:
                 link.sock.close()
+
+
+def build_channel(rank: int, group: list[int], *, names: Mapping[int, str], store: dist.Store,
+                  cluster: ClusterConfig, token: str, device: torch.device, addresses: list[str],
+                  **_: object) -> TcpChannel:
+    """The transport registry's builder (hetpipe/pipeline/transports.py): this kind's channel
+    to ``group`` from the cluster config, as comm/factory.py builds every cross-vendor one."""
+    t = cluster.transport
+    return TcpChannel(rank, group, dict(names), store, token=token, addresses=addresses,
+                      streams_per_address=t.streams_per_address, deadline=t.deadline_s, device=device,
+                      message_mac=t.message_mac)

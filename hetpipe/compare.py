@@ -4,7 +4,7 @@ Reads each run's metrics (a run directory's ``metrics.jsonl`` or a JSONL file
 given directly), aligns the runs by step, prints each run's summary and
 compares every run with the first (the reference) on their common steps: max
 and mean absolute and relative loss difference and the final-loss relative
-error, with a verdict (hetpipe.compare_verdict): against ``--rtol`` where
+error, with a verdict (hetpipe.cli.compare_verdict): against ``--rtol`` where
 given; bitwise identical for two runs of ``train.deterministic=true``;
 beyond the noise floor fails with ``--noise-ref`` (a second run of the
 reference's configuration, whose difference from the reference is shown
@@ -22,7 +22,7 @@ difference curve shows where two runs part ways when they do. Only
 TensorBoard files are mirrors of it in formats hetpipe does not own.
 
 ``python -m hetpipe.compare --sweep DIR`` summarises a hydra sweep instead
-(hetpipe/sweep_summary.py). Jobs of a sweep compared as runs are labelled by
+(hetpipe/cli/sweep_summary.py). Jobs of a sweep compared as runs are labelled by
 the overrides that set them apart, not by their job numbers.
 """
 from __future__ import annotations
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from hetpipe.compare_verdict import NOISE_K, TRAINING, VALIDATION, Judge
+from hetpipe.cli.compare_verdict import NOISE_K, TRAINING, VALIDATION, Judge
 from hetpipe.errors import HetpipeError, run_cli
-from hetpipe.sweep_jobs import job_overrides, override_labels
+from hetpipe.cli.sweep_jobs import job_overrides, override_labels
 
 
 @dataclass
@@ -371,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
                              "beyond --noise-k times it (two train.deterministic runs: bitwise still)")
     parser.add_argument("--noise-k", type=float, default=NOISE_K,
                         help=f"how many noise floors a run may differ by (default {NOISE_K:g}; "
-                             "hetpipe/compare_verdict.py says why)")
+                             "hetpipe/cli/compare_verdict.py says why)")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="write compare.png and compare.md into DIR")
     parser.add_argument("--plot", type=Path, metavar="PATH.png",
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summarise_sweep(sweep_dir: Path) -> int:
-    from hetpipe.sweep_summary import print_summary  # hydra's callback base class loads with it
+    from hetpipe.cli.sweep_summary import print_summary  # hydra's callback base class loads with it
 
     print_summary(sweep_dir)
     return 0

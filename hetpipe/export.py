@@ -5,7 +5,7 @@ processes, whatever plan wrote it), converts them with ``hetpipe.models.hf``
 and writes ``config.json``, ``generation_config.json`` and ``model.safetensors``
 that ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads, with
 the run's tokenizer beside them (or a note where it was the byte tokenizer:
-hetpipe.export_tokenizer) and its bos/eos/pad ids in both configs. Every file
+hetpipe.checkpoint.export_tokenizer) and its bos/eos/pad ids in both configs. Every file
 is mode 0644: an export is meant to be shared. CKPT is an ``iter_NNNNNNN``
 directory or a save directory (its latest checkpoint). Optimizer and trainer
 state are not exported.
@@ -24,10 +24,10 @@ from hetpipe.checkpoint.layout import TRAINER_STATE, resolve_checkpoint
 from hetpipe.checkpoint.manifest import Checkpoint, CheckpointError
 from hetpipe.checkpoint.names import whole_model_shapes
 from hetpipe.errors import run_cli
-from hetpipe.export_tokenizer import TOKENIZER_FILES, recorded_tokenizer, write_tokenizer
+from hetpipe.checkpoint.export_tokenizer import TOKENIZER_FILES, recorded_tokenizer, write_tokenizer
 from hetpipe.models import ModelConfig
 from hetpipe.models.hf import to_hf_config, to_hf_state_dict
-from hetpipe.torch_compat import require_supported_torch
+from hetpipe.process.torch_compat import require_supported_torch
 
 EXPORTED_FILES = ("config.json", "generation_config.json", "model.safetensors")
 # Readable by everyone, writable by the owner (safetensors writes its file 0600).

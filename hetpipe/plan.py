@@ -26,7 +26,7 @@ from typing import Any, Optional
 import hydra
 from omegaconf import MISSING, DictConfig
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.devices.facts import local_device_type
 from hetpipe.errors import ConfigError, run_cli, run_hydra_cli
 from hetpipe.models.model_config import ModelConfig
@@ -36,7 +36,7 @@ from hetpipe.partitioner import schedule_model
 from hetpipe.partitioner.report import Solution
 from hetpipe.partitioner.solver import solve
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
-from hetpipe.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
+from hetpipe.schema.pretrain_config import PartitionConfig, TrainConfig, register_configs, resolve
 
 MODES = ("plan", "profile")
 
@@ -231,7 +231,7 @@ def main(cfg: DictConfig) -> None:
     def _run() -> None:
         resolved = resolve_plan_config(cfg)
         if resolved.mode == "profile":
-            from hetpipe.torch_compat import require_supported_torch
+            from hetpipe.process.torch_compat import require_supported_torch
 
             require_supported_torch()
             run_profile(resolved)

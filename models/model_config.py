@@ -20,7 +20,7 @@ from typing import Optional
 
 import yaml
 
-import hetpipe.value_checks as value_checks
+import hetpipe.errors.value_checks as value_checks
 from hetpipe.errors import ConfigError
 from hetpipe.models.families import family_spec
 

@@ -92,7 +92,7 @@ from torch import nn
 
 from hetpipe.models.fp8 import is_float8
 from hetpipe.models.train_modes import PRECISIONS, WORKING_COPY_MODES, resolve_precision  # noqa: F401 - re-exported
-from hetpipe.torch_compat import foreach_copy_, own_parameters, run_post_accumulate_grad_hooks
+from hetpipe.process.torch_compat import foreach_copy_, own_parameters, run_post_accumulate_grad_hooks
 
 def activation_dtype(mode: str) -> torch.dtype:
     """dtype of the residual stream, hence of stage-boundary messages."""

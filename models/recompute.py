@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from hetpipe.errors import ConfigError
 from hetpipe.models.layers import Attention, DecoderLayer
 from hetpipe.models.train_modes import RECOMPUTE_MODES, check_recompute  # noqa: F401 - re-exported
-from hetpipe.torch_compat import own_parameters
+from hetpipe.process.torch_compat import own_parameters
 
 
 # What a module holds at one moment: its parameter table and its instance forward (if replaced).

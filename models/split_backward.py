@@ -51,7 +51,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from hetpipe.models.precision import deferring_main_grads
-from hetpipe.torch_compat import disable_donated_buffers
+from hetpipe.process.torch_compat import disable_donated_buffers
 
 
 class WeightBackward:

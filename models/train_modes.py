@@ -134,6 +134,6 @@ def _liger_installed() -> bool:
 
 
 def _has_triton() -> bool:
-    from hetpipe.torch_compat import triton_available
+    from hetpipe.process.torch_compat import triton_available
 
     return triton_available()

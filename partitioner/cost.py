@@ -48,13 +48,11 @@ ADAM_BYTES = 8
 ADAM_STEP_BYTES = 28
 # Receive buffers the engine keeps posted ahead, per direction.
 RECV_AHEAD = 2
-# Tensor parallelism, measured with LLaMA-3-8B at TP2 on two H100s (NVLink, seq
-# 8192, bf16-pure, 16 microbatches; docs/benchmarks.md, seventeenth session): the
-# 64 MiB activation all-reduces ran at 0.56 of the link's per-direction figure
-# (0.27 ms each), and each rank computed 11.7 % of a TP1 unit's time in full, not
-# halved: norms, residual adds and the vocab-parallel loss's fp32 math are not
-# split, and half-width GEMMs run slower. Without these the planner predicted 6.03 s for a
-# 6.87 s step and chose TP2 over PP2's 6.19 s.
+# Tensor parallelism: the share of the link's per-direction bandwidth its activation
+# all-reduces reach, and the share of a TP1 unit's time each rank computes in full
+# (norms, residual adds and the vocab-parallel loss's fp32 math are not split, and
+# half-width GEMMs run slower). Both measured with LLaMA-3-8B at TP2 on two H100s:
+# docs/benchmarks.md, "plan=auto's TP2 on two H100s" (2026-11-26), with its command.
 TP_LINK_EFFICIENCY = 0.56
 TP_UNSPLIT_SHARE = 0.117
 
@@ -128,7 +126,7 @@ class Precision:
         """The trainer's rules: ``auto`` is bf16 on GPUs and fp32 on CPUs; fused
         elementwise kernels on GPUs unless whole layers are compiled; in bf16,
         gradient-accumulation fusion unless turned off or compiled
-        (hetpipe/trainer.py)."""
+        (hetpipe/training/trainer.py)."""
         device_type = "cpu" if spec.vendor == "cpu" else "cuda"
         mode = resolve_precision(precision, device_type)
         compiled = compiles_layers(compiled, mode == "fp8", device_type)

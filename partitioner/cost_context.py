@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
 from hetpipe.devices.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig
@@ -42,6 +42,7 @@ from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile_files import find_entry, planner_profiles, profile_shape
 from hetpipe.partitioner.split import INF
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
+from hetpipe.pipeline.transports import transport
 
 
 @dataclass(frozen=True)
@@ -167,11 +168,10 @@ class CostContext:
             entry, scaled = self._profile_entry(g, 0)
             self.cost_source[name] = "analytic" if entry is None else \
                 "bf16 profile scaled to fp8 by the peak ratio (fp8 not measured)" if scaled else "profile"
-        kind = cluster.transport.kind
-        self.transport = planner.transport if planner.transport != "auto" else \
-            ("direct" if kind == "direct" else "cpu_forwarding")
         t = cluster.transport
-        self.tcp_streams = 1 if kind == "gloo" else len(t.addresses) * t.streams_per_address
+        entry = transport(t.kind)
+        self.transport = planner.transport if planner.transport != "auto" else entry.cost_model
+        self.tcp_streams = len(t.addresses) * t.streams_per_address if entry.stripes else 1
         unknown = sorted(set(planner.memory_gib or {}) - set(self.names))
         if unknown:
             raise ConfigError(f"planner.memory_gib names {unknown}, not groups of cluster {cluster.name!r} "

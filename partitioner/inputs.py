@@ -2,7 +2,7 @@
 
 The planner and the plan resolver need a handful of training and partition
 settings. Naming exactly those here, as protocols, keeps the partitioner from
-importing the runtime's config schemas (``hetpipe.pretrain_config`` holds a
+importing the runtime's config schemas (``hetpipe.schema.pretrain_config`` holds a
 ``PlannerConfig`` and so imports the partitioner); ``TrainConfig``,
 ``PartitionConfig`` and ``PretrainConfig`` satisfy them as they are, and a
 caller without them (a benchmark, a test) can pass any object with these fields.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Protocol
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.partitioner.planner_config import PlannerConfig
 

@@ -8,7 +8,7 @@ plan with the same cost model (:class:`~hetpipe.partitioner.cost_context.CostCon
 per-range static, activation, zero-bubble and transient bytes, and what
 the schedule's ranks hold at their peaks, ``schedule_model.memory_rows``),
 so that the runtime can compare it with the device it got
-(:mod:`hetpipe.memory_fit`). For a plan the planner made it equals
+(:mod:`hetpipe.training.memory_fit`). For a plan the planner made it equals
 the planner's own figure (tests/test_memory_fit.py).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 # Siblings by their own path, not through the package, whose __init__ imports the solver.

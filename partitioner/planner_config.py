@@ -1,7 +1,7 @@
 """The planner's settings (``planner.*`` in ``pretrain`` and ``python -m hetpipe.plan``).
 
 A config schema of its own, apart from the solver, so that the runtime's
-config schemas (``hetpipe.pretrain_config``, ``hetpipe.plan``) can hold a
+config schemas (``hetpipe.schema.pretrain_config``, ``hetpipe.plan``) can hold a
 ``planner`` field without importing the search, and the search never imports
 them back.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import hetpipe.value_checks as value_checks
+import hetpipe.errors.value_checks as value_checks
 from hetpipe.errors import ConfigError
 from hetpipe.models.train_modes import RECOMPUTE_MODES
 from hetpipe.partitioner.cost import NetworkConfig

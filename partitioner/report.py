@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.train_modes import RECOMPUTE_MODES

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.parallelize import check_tensor_parallel

@@ -148,7 +148,7 @@ def memory_rows(schedule: str, num_ranks: int, num_microbatches: int) -> tuple[n
     """Per rank, what it holds at the moments its memory can peak, walking the
     engine's own action list (:func:`hetpipe.pipeline.schedules.build_schedule`'s
     computations, each send right after the one that produced it) as
-    :meth:`hetpipe.pipeline.engine.PipelineEngine.run_step` runs it.
+    :meth:`hetpipe.training.engine.PipelineEngine.run_step` runs it.
 
     Each row, one per computation, counts for each of the rank's C chunks
     (1, or 2 under zb_v) the microbatches whose activations are alive, those

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 # Siblings by their own path, not through the package, whose __init__ imports the solver.

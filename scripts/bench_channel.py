@@ -49,7 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hetpipe.cluster import TransportConfig
+from hetpipe.devices.cluster import TransportConfig
 from hetpipe.comm.direct import DirectChannel
 from hetpipe.comm.gloo import GlooChannel
 from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting, socket_ifname

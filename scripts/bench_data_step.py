@@ -8,7 +8,7 @@ one sample (DP 1: the whole global batch on this process, the most any rank
 reads). Per step it times, separately: the loader's step (draw the global
 batch, read and stack its samples, with the EOD mask under ``--eod-mask``);
 the count of the labels the token-weighted loss divides by
-(hetpipe.token_loss.counted_tokens, which data.eod_mask_loss adds besides the
+(hetpipe.training.token_loss.counted_tokens, which data.eod_mask_loss adds besides the
 mask and one all-reduce of an integer); and the sample log's record (copy
 the indices into the record, write and flush it: all that logging.sample_log
 adds). Medians over ``--steps`` steps; the bytes per step are the record's.
@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from hetpipe.data import IndexedDatasetWriter, MicrobatchLoader
-from hetpipe.sample_log import SampleLog
-from hetpipe.token_loss import counted_tokens
+from hetpipe.observe.sample_log import SampleLog
+from hetpipe.training.token_loss import counted_tokens
 
 
 def _corpus(prefix: Path, tokens: int, seed: int) -> str:

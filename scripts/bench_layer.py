@@ -67,8 +67,8 @@ from hetpipe.models.recompute import RECOMPUTE_MODES, set_recompute
 from hetpipe.models.split_backward import backward_input
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
 from hetpipe.models.precision import Bf16Weights, compute_context
-from hetpipe.torch_compat import compiled_graph_count, donated_buffers_off, reset_compiler
-from hetpipe.profiling import profile_step
+from hetpipe.process.torch_compat import compiled_graph_count, donated_buffers_off, reset_compiler
+from hetpipe.observe.profiling import profile_step
 
 VARIANTS = ("eager", "fused", "compile")
 

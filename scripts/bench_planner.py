@@ -38,11 +38,11 @@ from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
 
-from hetpipe.cluster import ClusterConfig, GroupConfig  # noqa: E402
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig  # noqa: E402
 from hetpipe.models import model_preset  # noqa: E402
 from hetpipe.partitioner.planner_config import PlannerConfig  # noqa: E402
 from hetpipe.partitioner.solver import solve  # noqa: E402
-from hetpipe.pretrain_config import TrainConfig  # noqa: E402
+from hetpipe.schema.pretrain_config import TrainConfig  # noqa: E402
 
 
 def two_vendor_cluster(gpus: int) -> ClusterConfig:

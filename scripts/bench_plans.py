@@ -14,7 +14,7 @@ from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import build_plan
 from hetpipe.partitioner.schedule_model import PLANNED_SCHEDULES
 from hetpipe.partitioner.solver import plan_for, solve
-from hetpipe.pretrain_config import PretrainConfig, resolve
+from hetpipe.schema.pretrain_config import PretrainConfig, resolve
 
 
 class Split(NamedTuple):

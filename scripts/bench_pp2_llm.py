@@ -75,7 +75,7 @@ from pathlib import Path
 
 from hetpipe.errors import HetpipeError, fail, hydra_error_line
 from hetpipe.partitioner.plan_data import v_layers
-from hetpipe.pretrain_config import PretrainConfig, register_configs, resolve
+from hetpipe.schema.pretrain_config import PretrainConfig, register_configs, resolve
 from hetpipe.pipeline.layouts import V_SHAPE
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, ONE_F_ONE_B, SCHEDULES, schedule_spec
 
@@ -197,7 +197,7 @@ def run_hetpipe(args, variant: str, flags: set[str], schedule: str, out: Path, s
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         timed = [r for r in rows if args.warmup < r["step"] <= args.steps]  # not the profiled/recorded steps
         result.update(losses=[r["loss"] for r in rows], steps_timed=len(timed),
-                      # Rows carry TFLOP/s and MFU only where they mean something (hetpipe.metrics).
+                      # Rows carry TFLOP/s and MFU only where they mean something (hetpipe.observe.metrics).
                       tflops_per_gpu=mean([r["tflops_per_device"] for r in timed if "tflops_per_device" in r]),
                       tokens_per_s=mean([r["tokens_per_s"] for r in timed]),
                       mfu=mean([r["mfu"] for r in timed if r.get("mfu") is not None]),

@@ -4,7 +4,7 @@
 # on this machine's GPUs and torch, must exit 0 with no traceback in its
 # output, and ends in one table row. Exits 1 if any run failed. The
 # "warnings" column counts lines of torch/Python warnings in a run's output
-# (hetpipe silences the ones it causes on purpose: hetpipe/known_warnings.py);
+# (hetpipe silences the ones it causes on purpose: hetpipe/process/known_warnings.py);
 # the distinct ones are listed under the table.
 #
 #   bash scripts/gpu_check.sh [one|two|all] [--data PREFIX] [--out DIR]

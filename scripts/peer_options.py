@@ -20,7 +20,7 @@ from hetpipe.models.fp8 import FP8_RECIPES
 from hetpipe.models.model_config import model_preset
 from hetpipe.partitioner.plan_data import Plan, StagePlan, even_split, v_layers
 from hetpipe.pipeline.registry import ONE_F_ONE_B, ZB_V
-from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.schema.pretrain_config import OptimizerConfig
 
 # --schedule -> torch.distributed.pipelining class.
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetpipe.models.layers import rope_cos_sin
-from hetpipe.torch_compat import foreach_mul_, foreach_norm
+from hetpipe.process.torch_compat import foreach_mul_, foreach_norm
 
 
 # --------------------------------------------------------------------------- the stage

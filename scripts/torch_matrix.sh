@@ -8,7 +8,7 @@
 # on each (tests/test_mixed_releases.py).
 #
 # `versions` are exact releases so that a run is reproducible: the range's ends
-# (hetpipe/torch_compat.py: TORCH_RANGE; a test holds the three equal). When a
+# (hetpipe/process/torch_compat.py: TORCH_RANGE; a test holds the three equal). When a
 # newer torch appears on the package index it enters the range by an edit of
 # both, after this script passed on it - never by itself.
 #

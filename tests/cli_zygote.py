@@ -40,12 +40,12 @@ import time
 import warnings
 from typing import Iterable, Optional
 
-from hetpipe.torch_compat import RANK_PRELOAD
+from hetpipe.process.torch_compat import RANK_PRELOAD
 
 # What a command's interpreter would import first (the ranks' fork server preloads the
 # same, hetpipe.launch.local), never a module a command runs.
-PRELOAD = (*RANK_PRELOAD, "hydra", "omegaconf", "hetpipe.trainer", "hetpipe.launch.local",
-           "hetpipe.pretrain_config", "hetpipe.partitioner.solver")
+PRELOAD = (*RANK_PRELOAD, "hydra", "omegaconf", "hetpipe.training.trainer", "hetpipe.launch.local",
+           "hetpipe.schema.pretrain_config", "hetpipe.partitioner.solver")
 
 _ZYGOTE = r"""
 import json, os, runpy, socket, sys
@@ -225,7 +225,7 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, time
 # (any process that loads one sets its own first); hetpipe's Mooncake check
 # (comm/mooncake_mover.py, run while the tests are collected) sets the log level of
 # Mooncake's library, which loads only where it is used; a trainer built in the worker
-# sets c10d's P2P-serialization switch (hetpipe/known_warnings.py), read when an NCCL
+# sets c10d's P2P-serialization switch (hetpipe/process/known_warnings.py), read when an NCCL
 # group is made. Until these were named here most commands of a full run started fresh.
 RUN_TIME_ONLY = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
                            "MC_LOG_LEVEL", "TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING"})

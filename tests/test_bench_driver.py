@@ -139,7 +139,7 @@ def test_a_run_that_exits_non_zero_is_failed_and_never_a_number(tmp_path, monkey
 
 
 def _h100_cluster(*groups: str, size: int = 1, kind: str = "tcp"):
-    from hetpipe.cluster import ClusterConfig, GroupConfig, TransportConfig
+    from hetpipe.devices.cluster import ClusterConfig, GroupConfig, TransportConfig
 
     return ClusterConfig(name="h100", groups=[GroupConfig(name=g, vendor="nvidia", device_type="H100",
                                                           ranks_per_node=size) for g in groups],
@@ -154,7 +154,7 @@ def test_layers_auto_is_the_planners_split_for_each_schedule(monkeypatch):
     from hetpipe.partitioner.planner_config import PlannerConfig
     from hetpipe.partitioner.resolve import build_plan
     from hetpipe.partitioner.solver import plan_for
-    from hetpipe.pretrain_config import TrainConfig
+    from hetpipe.schema.pretrain_config import TrainConfig
 
     bench = _bench(monkeypatch)
     args = argparse.Namespace(model="llama8b", seq_length=4096, micro_batch_size=1, microbatches=16, steps=3,

@@ -360,7 +360,7 @@ def test_message_mac_detects_a_flipped_byte_a_replay_and_a_reorder():
 
 
 def test_message_mac_is_refused_where_it_would_not_apply():
-    from hetpipe.cluster import ClusterConfig, TransportConfig
+    from hetpipe.devices.cluster import ClusterConfig, TransportConfig
 
     assert ClusterConfig(transport=TransportConfig(kind="tcp", message_mac=True)).transport.message_mac
     with pytest.raises(ConfigError, match="message_mac covers the tcp channel's frames only, not kind=gloo"):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from channel_harness import (CASES, MISMATCH_ERRORS, NAMES, Ranks, bits_equal, make, receive_wrong_then_right,
                              send_wrong_then_right)
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
-from hetpipe.cluster import MOVERS
+from hetpipe.pipeline.transports import MOVERS
 from hetpipe.comm import direct
 from hetpipe.comm.direct import DirectChannel, make_mover
 from hetpipe.comm.handshake import CHALLENGE_SIZE, FINAL_SIZE, NONCE_SIZE, PROOF_SIZE, encode_hello, encode_proof

@@ -15,8 +15,8 @@ from conftest import run_cli, run_pretrain
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, CheckpointSaver, latest_checkpoint, load_checkpoint
 from hetpipe.checkpoint.st_io import write_safetensors
 from hetpipe.models import build_model, model_preset
-from hetpipe.pretrain_config import OptimizerConfig
-from hetpipe.trainer import build_optimizer
+from hetpipe.schema.pretrain_config import OptimizerConfig
+from hetpipe.training.trainer import build_optimizer
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("one_thread")]
 

@@ -14,9 +14,9 @@ import torch
 import hetpipe.checkpoint.commit as commit_module
 from hetpipe.checkpoint import (CheckpointConfig, CheckpointError, latest_checkpoint, load_checkpoint,
                                 restore, save_checkpoint)
-from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.models import build_model, model_preset
-from hetpipe.trainer import build_optimizer
+from hetpipe.training.trainer import build_optimizer
 
 CPU = torch.device("cpu")
 LLAMA = model_preset("tiny_llama", hidden_size=64, ffn_hidden_size=160)

@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import run_cli, run_pretrain
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_hf_weights, restore, save_checkpoint
-from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.errors import ConfigError
 from hetpipe.export import export_hf
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.hf import to_hf_config
-from hetpipe.trainer import build_optimizer
+from hetpipe.training.trainer import build_optimizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,11 +21,11 @@ from safetensors import safe_open
 
 from hetpipe.checkpoint import (CheckpointConfig, latest_checkpoint, load_checkpoint, restore,
                                 save_checkpoint, should_save)
-from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.data import IndexedDatasetWriter, MicrobatchLoader
-from hetpipe.gradients import GradNormClipper
+from hetpipe.training.gradients import GradNormClipper
 from hetpipe.models import build_model, model_preset
-from hetpipe.trainer import build_optimizer, lr_at, seed_everything
+from hetpipe.training.trainer import build_optimizer, lr_at, seed_everything
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -265,9 +265,9 @@ def test_should_save_and_fresh_start(tmp_path, data_prefix, capsys):
 RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from hetpipe.checkpoint import CheckpointConfig, save_checkpoint
-from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.models import build_model, model_preset
-from hetpipe.trainer import build_optimizer
+from hetpipe.training.trainer import build_optimizer
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 cfg = model_preset("tiny_llama", hidden_size=64, ffn_hidden_size=160)

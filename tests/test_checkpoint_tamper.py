@@ -19,8 +19,8 @@ from conftest import run_cli, run_pretrain
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_checkpoint, load_hf_weights, save_checkpoint
 from hetpipe.checkpoint.digest import SELF_CHECKSUM, manifest_digest
 from hetpipe.models import build_model, model_preset
-from hetpipe.pretrain_config import OptimizerConfig
-from hetpipe.trainer import build_optimizer
+from hetpipe.schema.pretrain_config import OptimizerConfig
+from hetpipe.training.trainer import build_optimizer
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 

@@ -9,11 +9,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, run_cli
-from hetpipe.field_docs import field_docs
-from hetpipe.foreign_flags import FLAGS, VALUE, foreign_flags_line, markdown_table
+from hetpipe.schema.field_docs import field_docs
+from hetpipe.errors.foreign_flags import FLAGS, VALUE, foreign_flags_line, markdown_table
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.plan import PlanConfig
-from hetpipe.pretrain_config import PretrainConfig
+from hetpipe.schema.pretrain_config import PretrainConfig
 
 E = "hetpipe: error: "
 GUIDE = "(docs/coming_from_megatron.md)"
@@ -87,7 +87,7 @@ def test_every_translated_flag_names_fields_that_exist(flag):
 def test_the_docs_hold_the_table_the_code_answers_with():
     doc = (REPO / "docs/coming_from_megatron.md").read_text()
     assert markdown_table() in doc, ("docs/coming_from_megatron.md is out of date: paste "
-                                     "python -c 'from hetpipe.foreign_flags import markdown_table; "
+                                     "python -c 'from hetpipe.errors.foreign_flags import markdown_table; "
                                      "print(markdown_table())'")
     assert "docs/coming_from_megatron.md" in (REPO / "README.md").read_text()
 

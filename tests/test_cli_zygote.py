@@ -77,7 +77,7 @@ def test_what_it_cannot_mirror_runs_fresh(probe, monkeypatch):
     # Not passed by the test: the worker's own environment changed, which is worth a warning.
     with pytest.warns(UserWarning, match="differs from the zygote's in PYTHONPATH"):
         assert cli_zygote.run_module("zygote_probe", ["0"], env, str(probe), 30, USUAL_ENV) is None
-    assert cli_zygote.run_module("hetpipe.trainer", [], dict(USUAL_ENV), str(probe), 30, USUAL_ENV) is None
+    assert cli_zygote.run_module("hetpipe.training.trainer", [], dict(USUAL_ENV), str(probe), 30, USUAL_ENV) is None
     monkeypatch.setenv("HETPIPE_TEST_FRESH_PYTHON", "1")
     assert cli_zygote.run_module("zygote_probe", ["0"], dict(USUAL_ENV), str(probe), 30, USUAL_ENV) is None
 

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from conftest import run_cli
-from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe.pretrain_config import PartitionConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
+from hetpipe.schema.pretrain_config import PartitionConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner.plan_data import Plan, even_split

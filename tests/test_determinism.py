@@ -1,5 +1,5 @@
-"""train.deterministic (hetpipe/determinism.py), compare's verdicts for
-deterministic runs and against a noise floor (hetpipe/compare_verdict.py), and
+"""train.deterministic (hetpipe/training/determinism.py), compare's verdicts for
+deterministic runs and against a noise floor (hetpipe/cli/compare_verdict.py), and
 scripts/determinism_check.sh's CPU path.
 
 CPU kernels are deterministic already, so on CPU the mode changes no number;
@@ -19,7 +19,7 @@ import yaml
 from torch.nn.attention import SDPBackend
 
 from conftest import REPO, run_cli, run_pretrain
-from hetpipe import determinism
+from hetpipe.training import determinism
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.layers import Attention, sdpa_preference, set_attention_backend
@@ -122,7 +122,7 @@ def test_the_local_launcher_puts_env_in_every_rank_before_it_runs():
     # A forked rank gets the fork server's environment, not the launcher's:
     # only launch's env can reach it. os.getenv runs on each rank; rank 0's answer comes back.
     code = ("import os\n"
-            "from hetpipe.cluster import ClusterConfig, GroupConfig\n"
+            "from hetpipe.devices.cluster import ClusterConfig, GroupConfig\n"
             "from hetpipe.launch.local import launch\n"
             "groups = [GroupConfig(name=n, vendor=n, device_type='CPU', ranks_per_node=1) for n in ('nvidia', 'amd')]\n"
             "cluster = ClusterConfig(name='probe', emulate=True, groups=groups)\n"

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import yaml
 
 from conftest import REPO, run_cli
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.devices.facts import (DeviceFacts, check_devices, check_local_devices, device_facts, devices_lines,
                                   host_memory_gib)
 from hetpipe.errors import ConfigError
@@ -17,7 +17,7 @@ from hetpipe.models import model_preset
 from hetpipe.launch.nodes import NodeMap, roll_call
 from hetpipe.partitioner.plan_data import Plan, StagePlan
 from hetpipe.partitioner.solver import plan_for
-from hetpipe.pretrain_config import TrainConfig
+from hetpipe.schema.pretrain_config import TrainConfig
 
 H100 = DeviceFacts("NVIDIA H100 80GB HBM3", "nvidia", "CUDA 13.0", "2.11.0+cu130", "sm_90", 79.19, 78.5, "H100")
 CPU = DeviceFacts("cpu", "cpu", "cpu", torch.__version__, "x86_64", 64.0, 40.0, "CPU")

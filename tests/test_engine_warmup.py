@@ -1,7 +1,7 @@
 """The engine's kernel warm-up leaves training exactly as if it had not run."""
 import torch
 
-from hetpipe.pipeline.engine import PipelineEngine
+from hetpipe.training.engine import PipelineEngine
 from hetpipe.models import build_model
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.pipeline.schedules import build_schedule

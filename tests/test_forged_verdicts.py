@@ -29,7 +29,7 @@ TINY = ["+model=tiny_llama", "cluster=cpu_mixed", "cluster.transport.kind=tcp", 
         "model.hidden_size=64", "model.ffn_hidden_size=160", "train.seq_length=32", "train.micro_batch_size=2",
         "train.global_batch_size=8", "train.log_interval=1", "logging.progress=false"]
 STEPS = 12
-# Every rank pauses 4 s at step 3 (a slow step, hetpipe/launch/faults.py), so
+# Every rank pauses 4 s at step 3 (a slow step, hetpipe/process/faults.py), so
 # the forgeries land mid-run however fast the steps are; the clean run pauses too.
 PAUSE = "sleep=4@step:step=3"
 SECRET = "c41d8e07a96f3b25e1d04c7a8b93f6e215d0a7c48e39b6f1a02d5c8e7b4f9a36"  # as secrets.token_hex(32) draws

@@ -12,7 +12,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.models import build_model
 from hetpipe.models import layers as layers_mod, train_modes
 from hetpipe.models.model_config import model_preset
-from hetpipe.pretrain_config import TrainConfig
+from hetpipe.schema.pretrain_config import TrainConfig
 from hetpipe.models.layers import (Attention, DecoderLayer, RMSNorm, SwiGLU, fuse_elementwise, fuses_elementwise,
                                    sdpa_preference, set_attention_backend)
 from hetpipe.devices.catalog import CATALOG

@@ -41,7 +41,7 @@ def job_files(run: Path, ckpt: Path) -> dict[str, bytes]:
     files["run/metrics.jsonl rows"] = json.dumps([{k: v for k, v in row.items() if k not in TIMINGS}
                                                   for row in rows]).encode()
     files.pop("run/.hydra/hydra.yaml")  # hydra's own record of this process (its pid, cwd)
-    # The console (hetpipe/console_log.py) holds timings and free memory: its steps and its lines' kinds are
+    # The console (hetpipe/observe/console_log.py) holds timings and free memory: its steps and its lines' kinds are
     # what must be this job's alone.
     log = files.pop("run/pretrain.log").decode()
     files["run/pretrain.log steps"] = "\n".join(re.findall(r"step +\d+/\d+ \| loss \S+", log)).encode()

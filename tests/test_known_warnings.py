@@ -24,7 +24,7 @@ def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_the_no_context_warning_is_silenced_in_every_thread_and_other_warnings_are_not():
     out = _run("""
         import os, threading, warnings
-        from hetpipe.known_warnings import quiet_known_warnings
+        from hetpipe.process.known_warnings import quiet_known_warnings
         quiet_known_warnings()
         def backward_thread():  # autograd's device thread, where torch raised it
             warnings.warn("Attempting to run cuBLAS, but there was no current CUDA context! Attempting to set "
@@ -44,7 +44,7 @@ def test_a_user_who_wants_the_p2p_warning_keeps_it():
 
     out = _run("""
         import os
-        from hetpipe.known_warnings import quiet_known_warnings
+        from hetpipe.process.known_warnings import quiet_known_warnings
         quiet_known_warnings()
         print(os.environ["TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING"])
     """, env={**os.environ, "TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING": "true"})
@@ -54,7 +54,7 @@ def test_a_user_who_wants_the_p2p_warning_keeps_it():
 def test_native_lines_are_dropped_by_message_and_the_rest_written_back():
     out = _run(f"""
         import os
-        from hetpipe.known_warnings import SM_CARVEOUT, native_lines_hidden
+        from hetpipe.process.known_warnings import SM_CARVEOUT, native_lines_hidden
         with native_lines_hidden(SM_CARVEOUT):
             os.write(2, {TORCH_LINE!r}.encode() + b"\\n")  # as torch's C++ side writes it
             os.write(2, b"an unrelated native line\\n")
@@ -67,7 +67,7 @@ def test_native_lines_are_dropped_by_message_and_the_rest_written_back():
 def test_a_body_that_raises_still_gets_its_stderr_back():
     out = _run("""
         import os
-        from hetpipe.known_warnings import SM_CARVEOUT, native_lines_hidden
+        from hetpipe.process.known_warnings import SM_CARVEOUT, native_lines_hidden
         try:
             with native_lines_hidden(SM_CARVEOUT):
                 os.write(2, b"said before the failure\\n")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import run_cli, run_pretrain
-from hetpipe.metrics import MetricsLogger, RunShape, read_metrics
-from hetpipe.pretrain_config import LoggingConfig
+from hetpipe.observe.metrics import MetricsLogger, RunShape, read_metrics
+from hetpipe.schema.pretrain_config import LoggingConfig
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -57,7 +57,7 @@ def test_tensorboard_scalars_equal_metrics_jsonl_of_a_real_run(tmp_path):
 @pytest.mark.timeout(60)
 def test_each_row_times_its_own_step_and_the_console_line_its_interval(tmp_path, monkeypatch, capsys):
     now = [100.0]
-    monkeypatch.setattr("hetpipe.metrics.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr("hetpipe.observe.metrics.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     shape = RunShape(total_steps=4, tokens_per_step=64, flops_per_step=4e12, num_devices=2, peak_tflops=4.0,
                      log_interval=2)
     log = MetricsLogger(tmp_path / "gpu", shape, LoggingConfig(progress=False))

@@ -1,7 +1,7 @@
 """What keeps a days-long run alive, as a user sees it: a non-finite step is
 skipped cleanly, a killed rank restarts the job, a preempted job saves and
 exits 0, and the log names the straggler. Faults are injected with
-HETPIPE_FAULT (hetpipe/launch/faults.py) on a mixed (nvidia + amd group) CPU pipeline."""
+HETPIPE_FAULT (hetpipe/process/faults.py) on a mixed (nvidia + amd group) CPU pipeline."""
 import json
 
 import pytest

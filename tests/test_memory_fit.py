@@ -25,18 +25,18 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO
-from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe import host_memory_fit
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
+from hetpipe.training import host_memory_fit
 from hetpipe.devices.facts import host_memory_gib
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_MEMORY, ConfigError
-from hetpipe.host_memory_fit import check_local_host_fit, host_ranks
-from hetpipe.memory_fit import Capacity, check_stage, fits, may_not_fit, out_of_memory_line, with_prediction
+from hetpipe.training.host_memory_fit import check_local_host_fit, host_ranks
+from hetpipe.training.memory_fit import Capacity, check_stage, fits, may_not_fit, out_of_memory_line, with_prediction
 from hetpipe.models import model_preset
 from hetpipe.partitioner.plan_memory import predicted_memory_gib
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.partitioner.solver import solve
-from hetpipe.pretrain_config import PretrainConfig, TrainConfig
+from hetpipe.schema.pretrain_config import PretrainConfig, TrainConfig
 
 TINY = ["+model=tiny_llama", "cluster=cpu_mixed", "cluster.transport.kind=tcp", "data=demo",
         "model.hidden_size=64", "model.ffn_hidden_size=160", "train.seq_length=32", "train.micro_batch_size=2",
@@ -239,7 +239,7 @@ def test_ranks_started_by_torchrun_refuse_their_stage_together(tmp_path):
 
 # -- CPU ranks: the host's available memory, all of its ranks together ------------------------
 def tiny_on(cluster: str, preset: str = "tiny_llama", **fields) -> tuple:
-    from hetpipe.pretrain_config import resolve
+    from hetpipe.schema.pretrain_config import resolve
     cfg = resolve({"model": model_preset(preset).to_dict(),
                    "cluster": OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "cluster" / f"{cluster}.yaml")),
                    **fields})

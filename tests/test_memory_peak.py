@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from hetpipe.errors import ConfigError
-from hetpipe.memory_peak import memory_snapshot_step, peak_report
-from hetpipe.pretrain_config import TrainConfig
+from hetpipe.observe.memory_peak import memory_snapshot_step, peak_report
+from hetpipe.schema.pretrain_config import TrainConfig
 
 MIB = 2**20
 
@@ -47,7 +47,7 @@ def test_the_report_names_what_was_alive_at_the_peak_not_at_the_end():
     assert [(r[0], r[1], r[2]) for r in rows] == [("0.293", "1", "_forward"), ("0.195", "2", "_forward"),
                                                   ("0.062", "1", "_post_receives")]
     assert lines[4].endswith("_forward | hetpipe/models/loss.py:80 chunked_loss")
-    assert lines[6].endswith("_post_receives | hetpipe/pipeline/engine.py:209 _post_receives")
+    assert lines[6].endswith("_post_receives | hetpipe/training/engine.py:209 _post_receives")
 
 
 def test_memory_snapshot_step_is_checked_and_writes_nothing_without_a_gpu(tmp_path):

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from hetpipe.cluster import ClusterConfig, TransportConfig
+from hetpipe.devices.cluster import ClusterConfig, TransportConfig
 from hetpipe.comm.nics import (Interface, Nic, check_dialable, list_interfaces, resolve_local_nics,
                                selection_setting, socket_ifname)
 from hetpipe.errors import ConfigError
@@ -100,7 +100,7 @@ def test_this_host_lists_loopback_up_with_its_address_and_counters():
 NETNS_PROBE = """
 import json
 from dataclasses import asdict
-from hetpipe.cluster import TransportConfig
+from hetpipe.devices.cluster import TransportConfig
 from hetpipe.comm.nics import list_interfaces, resolve_local_nics
 print(json.dumps({"interfaces": [asdict(i) for i in list_interfaces()],
                   "by_name": [asdict(n) for n in resolve_local_nics(TransportConfig(interfaces=["hpd1", "hpd2"]))],

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from conftest import run_cli
 from hetpipe.errors import EXIT_BAD_INPUT, ConfigError
 from hetpipe.models import model_preset
-from hetpipe.pretrain_config import PretrainConfig, resolve
+from hetpipe.schema.pretrain_config import PretrainConfig, resolve
 
 # (override, the field the line must name)
 ODD = [

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
-from hetpipe.pipeline.engine import PipelineEngine
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
+from hetpipe.training.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.plan import format_solution
 from hetpipe.models import build_model, model_preset
@@ -22,7 +22,7 @@ from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.solver import solve
 from hetpipe.partitioner.split import step_time_s
-from hetpipe.pretrain_config import TrainConfig
+from hetpipe.schema.pretrain_config import TrainConfig
 from hetpipe.pipeline.placement import Placement
 from hetpipe.pipeline.schedule_check import simulate
 from hetpipe.pipeline.schedules import build_schedule

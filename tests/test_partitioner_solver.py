@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from hetpipe.cluster import ClusterConfig, GroupConfig, TransportConfig
-from hetpipe.pretrain_config import TrainConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig, TransportConfig
+from hetpipe.schema.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
 from hetpipe.partitioner import solver

@@ -17,7 +17,7 @@ import pytest
 from hetpipe.errors import ConfigError
 from hetpipe.partitioner import schedule_model
 from hetpipe.pipeline.actions import ACTION_KINDS, BWD, BWD_INPUT, BWD_WEIGHT
-from hetpipe.pipeline.engine import PipelineEngine
+from hetpipe.training.engine import PipelineEngine
 from hetpipe.pipeline.placement import Placement
 from hetpipe.pipeline.registry import CONTIGUOUS, SCHEDULES, V_SPLIT, planned, schedule_spec, several_chunks
 from hetpipe.pipeline.schedule_check import simulate
@@ -77,7 +77,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_pipeline_package_is_a_ground_floor():
-    above = ("hetpipe.partitioner", "hetpipe.launch", "hetpipe.doctor", "hetpipe.checkpoint", "hetpipe.trainer")
+    above = ("hetpipe.partitioner", "hetpipe.launch", "hetpipe.doctor", "hetpipe.checkpoint", "hetpipe.training.trainer")
     for path in sorted((REPO / "hetpipe" / "pipeline").glob("*.py")):
         bad = [m for m in _imports(path) if m.startswith(above)]
         assert not bad, f"{path.name} imports {bad}"

@@ -5,9 +5,9 @@ import math
 import pytest
 
 from conftest import fork_servers_started, log_python_starts, run_cli
-from hetpipe.pretrain_config import OptimizerConfig, resolve
+from hetpipe.schema.pretrain_config import OptimizerConfig, resolve
 from hetpipe.errors import ConfigError
-from hetpipe.trainer import lr_at, train
+from hetpipe.training.trainer import lr_at, train
 
 TINY = {"micro_batch_size": 4, "global_batch_size": 8, "seq_length": 64, "train_iters": 6,
         "log_interval": 3}
@@ -101,7 +101,7 @@ def test_a_run_with_a_save_dir_ends_with_a_checkpoint(tmp_path, corpus_prefix, m
 
 def test_a_checkpoint_from_before_megatrons_warmup_resumes_with_one_line(tmp_path, corpus_prefix, monkeypatch,
                                                                          capsys):
-    import hetpipe.trainer as trainer
+    import hetpipe.training.trainer as trainer
 
     def cfg(iters, resume=None):
         c = _cfg(corpus_prefix, train_iters=iters)
@@ -258,7 +258,7 @@ def test_receives_posted_ahead_default_to_one_on_nccl_boundaries_only():
 
     import torch
 
-    from hetpipe.trainer import _recv_ahead
+    from hetpipe.training.trainer import _recv_ahead
 
     cfg = resolve({"model": {"name": "m"}})
     gpu_nccl = SimpleNamespace(device=torch.device("cuda", 0), p2p_groups={(0, 1): object()})
@@ -280,8 +280,8 @@ def test_nccl_boundary_communicators_are_capped_at_the_configured_ctas(monkeypat
     import torch
     import torch.distributed as dist
 
-    from hetpipe.cluster import GroupConfig
-    from hetpipe.topology import Topology
+    from hetpipe.devices.cluster import GroupConfig
+    from hetpipe.training.topology import Topology
 
     class Options:
         def __init__(self):
@@ -313,8 +313,8 @@ def test_gemms_leave_sms_to_the_nccl_boundary(monkeypatch):
 
     import torch
 
-    from hetpipe.cluster import TransportConfig
-    from hetpipe.topology import Topology
+    from hetpipe.devices.cluster import TransportConfig
+    from hetpipe.training.topology import Topology
 
     def rank(device="cuda", groups=2, **transport):
         cluster = SimpleNamespace(transport=TransportConfig(**transport))

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from hetpipe.pretrain_config import TrainConfig
+from hetpipe.schema.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
-from hetpipe.profiling import kernel_class, profile_step, write_report
+from hetpipe.observe.profiling import kernel_class, profile_step, write_report
 
 
 def test_kernel_classes_cover_what_a_training_step_launches():

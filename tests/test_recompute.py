@@ -21,7 +21,7 @@ from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.profile import saved_tensor_bytes, weight_storages
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.models.precision import Bf16Weights, cast_parameters, compute_context, fuse_linear_grads
-from hetpipe.pretrain_config import resolve
+from hetpipe.schema.pretrain_config import resolve
 
 pytestmark = pytest.mark.timeout(300)
 

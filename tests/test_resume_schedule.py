@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from conftest import run_cli, run_pretrain
-from hetpipe.pretrain_config import OptimizerConfig, resolve
-from hetpipe.schedule_change import schedule_changes, schedule_record
-from hetpipe.trainer import lr_at
+from hetpipe.schema.pretrain_config import OptimizerConfig, resolve
+from hetpipe.training.schedule_change import schedule_changes, schedule_record
+from hetpipe.training.trainer import lr_at
 
 pytestmark = pytest.mark.timeout(300)
 

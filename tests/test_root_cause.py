@@ -2,7 +2,7 @@
 
 Tried as a user would: one rank of a mixed tcp run is killed with SIGKILL (as
 the OOM killer or ``kill -9`` would), or raises (a bug), through the
-``HETPIPE_FAULT`` injection of hetpipe/launch/faults.py. The other rank loses its
+``HETPIPE_FAULT`` injection of hetpipe/process/faults.py. The other rank loses its
 connection to it; that loss is a consequence and must never be reported as the
 cause, nor end the job with status 2 (bad input). Each run is a tiny model
 stopped at its third step, a few seconds after its ranks start.

@@ -9,11 +9,11 @@ import torch
 
 from hetpipe.data import IndexedDatasetWriter, MicrobatchLoader
 from hetpipe.data.tokenizer import ByteTokenizer
-from hetpipe.pipeline.engine import PipelineEngine
-from hetpipe.pretrain_config import resolve
+from hetpipe.training.engine import PipelineEngine
+from hetpipe.schema.pretrain_config import resolve
 from hetpipe.errors import ConfigError
-from hetpipe.sample_log import RECORDS, SampleLog, read_sample_log, sample_tokens
-from hetpipe.trainer import train
+from hetpipe.observe.sample_log import RECORDS, SampleLog, read_sample_log, sample_tokens
+from hetpipe.training.trainer import train
 
 pytestmark = pytest.mark.timeout(300)
 

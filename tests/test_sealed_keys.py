@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hetpipe.checkpoint.board import StoreBoard
 from hetpipe.checkpoint.errors import CheckpointError
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.channel import ChannelError
 from hetpipe.comm.factory import MoverFacts, exchange_mover_facts
 from hetpipe.launch.nodes import NodeMap, roll_call

@@ -16,11 +16,11 @@ from hetpipe.data.tokenizer import ByteTokenizer
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.loss import IGNORE_INDEX
 from hetpipe.models.split_backward import allow_retained_graphs
-from hetpipe.pipeline.engine import PipelineEngine
+from hetpipe.training.engine import PipelineEngine
 from hetpipe.pipeline.schedules import build_schedule
-from hetpipe.pretrain_config import resolve
-from hetpipe.token_loss import counted_tokens, token_weights
-from hetpipe.trainer import train
+from hetpipe.schema.pretrain_config import resolve
+from hetpipe.training.token_loss import counted_tokens, token_weights
+from hetpipe.training.trainer import train
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""The supported torch range, and private torch names kept in hetpipe/torch_compat.py.
+"""The supported torch range, and private torch names kept in hetpipe/process/torch_compat.py.
 
 Runs on every torch CI tests (marker ``torch_matrix``: scripts/torch_matrix.sh
 runs it on the range's oldest and newest release)."""
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import hetpipe
-from hetpipe import torch_compat
-from hetpipe.torch_compat import TORCH_RANGE, torch_release, unsupported_torch
+from hetpipe.process import torch_compat
+from hetpipe.process.torch_compat import TORCH_RANGE, torch_release, unsupported_torch
 
 from conftest import REPO
 
 pytestmark = pytest.mark.torch_matrix
 
-ADAPTER = REPO / "hetpipe" / "torch_compat.py"
+ADAPTER = REPO / "hetpipe" / "process" / "torch_compat.py"
 SCANNED = ("hetpipe", "models", "partitioner", "comm", "scripts")
 # Private names of the standard library that are documented API.
 STDLIB_PRIVATE = {("os", "_exit"), ("sys", "_getframe")}
@@ -52,11 +52,11 @@ def _ours(trees: dict) -> set[str]:
 
 def private_torch_uses() -> list[str]:
     """``path:line: name`` for every private name of torch (or another library)
-    used outside hetpipe/torch_compat.py: an import path with a private part, an
+    used outside hetpipe/process/torch_compat.py: an import path with a private part, an
     attribute no hetpipe class defines, or such a name given to getattr/hasattr."""
     trees = {p: ast.parse(p.read_text()) for d in SCANNED for p in sorted((REPO / d).rglob("*.py"))}
     # What the adapter assigns is torch's (AgentHooks resets the agent's _remaining_restarts), not ours.
-    ours = _ours({p: t for p, t in trees.items() if p != REPO / "hetpipe" / "torch_compat.py"})
+    ours = _ours({p: t for p, t in trees.items() if p != REPO / "hetpipe" / "process" / "torch_compat.py"})
     found = []
     for path, tree in trees.items():
         if path == ADAPTER:

@@ -6,7 +6,7 @@ threads train, so they never use the job's process groups (a collective of
 the writer would interleave with the step's collectives). :class:`StoreBoard`
 goes through the job's TCPStore instead, with a client of its own (as
 :mod:`hetpipe.launch.job_watch` does), under keys namespaced by the restart attempt
-(:func:`hetpipe.launch.rank_env.restart_attempt`, the same on every node) and by step, so a restarted job never reads
+(:func:`hetpipe.process.rank_env.restart_attempt`, the same on every node) and by step, so a restarted job never reads
 what an earlier attempt posted. Values are small JSON documents.
 
 Which ranks share a directory is found once, at the first save: every rank
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from hetpipe.checkpoint.errors import CheckpointError
 from hetpipe.checkpoint.layout import part_file
-from hetpipe.launch.rank_env import restart_attempt
+from hetpipe.process.rank_env import restart_attempt
 
 # How long a rank waits for the others' parts and commits: longer than any
 # write of a rank's share we expect (at 1 GB/s, 30 min is 1.8 TB); a rank

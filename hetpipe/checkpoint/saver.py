@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from hetpipe.launch import faults
+from hetpipe.process import faults
 from hetpipe.checkpoint.board import Abandoned, Board, LocalBoard, StoreBoard
 from hetpipe.checkpoint.commit import assemble_manifest, commit_directory
 from hetpipe.checkpoint.errors import CheckpointError
@@ -77,7 +77,7 @@ class CheckpointSaver:
     @classmethod
     def for_topology(cls, cfg: CheckpointConfig, run_dir: str | Path, topo: Any, model_cfg: ModelConfig,
                      plan: Optional[Plan]) -> CheckpointSaver:
-        """The saver of the rank ``topo`` (a :class:`hetpipe.topology.Topology`) describes."""
+        """The saver of the rank ``topo`` (a :class:`hetpipe.training.topology.Topology`) describes."""
         nodes, watch = getattr(topo, "nodes", None), getattr(topo, "watch", None)
         return cls(cfg, run_dir, model_cfg=model_cfg, rank=topo.rank, world_size=topo.world_size, plan=plan,
                    store=topo.store, node=nodes.node_of[topo.rank] if nodes else 0,

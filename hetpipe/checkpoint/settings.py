@@ -1,7 +1,7 @@
 """The ``checkpoint`` config group: where checkpoints go, how often, and what
 a run starts from.
 
-A plain dataclass, free of hydra, so that ``hetpipe.pretrain_config`` can make it the
+A plain dataclass, free of hydra, so that ``hetpipe.schema.pretrain_config`` can make it the
 ``checkpoint`` group's schema; the trainer calls :func:`should_save` and
 :func:`resolve_save_dir` instead of re-deriving the rules.
 """
@@ -13,7 +13,7 @@ from typing import Optional
 
 from hetpipe.errors import ConfigError
 
-# What a resume does with a changed learning-rate schedule (hetpipe/schedule_change.py).
+# What a resume does with a changed learning-rate schedule (hetpipe/training/schedule_change.py).
 SCHEDULE_SETTINGS = ("check", "config", "checkpoint")
 
 
@@ -61,7 +61,7 @@ class CheckpointConfig:
     # differs from the checkpoint's: check stops in one line naming old and new
     # values (Megatron asserts likewise), config resumes with the new values
     # (Megatron's --override-opt_param-scheduler), checkpoint with the
-    # checkpoint's (--use-checkpoint-opt_param-scheduler). hetpipe/schedule_change.py.
+    # checkpoint's (--use-checkpoint-opt_param-scheduler). hetpipe/training/schedule_change.py.
     schedule: str = "check"
 
     def __post_init__(self) -> None:

@@ -95,7 +95,7 @@ class GlobalBatchSampler:
         """This rank's micro-batches (arrays of sample indices) for the next step.
 
         The whole global batch stays in :attr:`last_batch` (indices, sources) until
-        the next call: the record of what the step trained on (hetpipe.sample_log).
+        the next call: the record of what the step trained on (hetpipe.observe.sample_log).
         """
         self.last_batch = self._draw()
         share = self.global_batch_size // self.dp_size

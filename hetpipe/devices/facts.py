@@ -22,7 +22,7 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.errors import ConfigError
 from hetpipe.devices.catalog import DeviceSpec, detect_device_type
 from hetpipe.devices.vendor import detect_vendor

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.devices.catalog import DeviceSpec, device_spec
 from hetpipe.devices.facts import local_devices
 from hetpipe.errors import ConfigError

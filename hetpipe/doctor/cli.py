@@ -59,8 +59,8 @@ from hetpipe.doctor.facts import fact_sheet
 from hetpipe.doctor.probe import ProbeServer, describe_os_error, probe_peers
 from hetpipe.doctor.report import blockers_of, format_cluster, format_node, multi_node_job, torch_lines, warnings_of
 from hetpipe.errors import ConfigError, run_cli
-from hetpipe.launch.rank_env import under_torchrun
-from hetpipe.pretrain_config import resolve
+from hetpipe.process.rank_env import under_torchrun
+from hetpipe.schema.pretrain_config import resolve
 
 _STORE_PREFIX = "hetpipe-doctor"
 

@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
-from hetpipe.pretrain_config import PretrainConfig, register_configs
+from hetpipe.schema.pretrain_config import PretrainConfig, register_configs
 
 
 @dataclass

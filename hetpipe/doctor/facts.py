@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import hetpipe
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.comm.nics import Nic, list_interfaces, resolve_local_nics, selection_setting
 from hetpipe.comm.nics import network_identity as nics_network_identity
 from hetpipe.data.indexed import data_file_path, index_file_path

@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.comm.nics import Nic, check_dialable, socket_ifname
 from hetpipe.doctor.config import DoctorSettings
 from hetpipe.errors import ConfigError
-from hetpipe.torch_compat import range_text, torch_release, unsupported_torch
+from hetpipe.process.torch_compat import range_text, torch_release, unsupported_torch
 
 
 def who(sheet: dict) -> str:

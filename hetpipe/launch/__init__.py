@@ -20,8 +20,6 @@ command line and a rank's first training step, and after its last.
   cause in the store, sealed with the job secret (forgeries are ignored);
 * :mod:`~hetpipe.launch.store_calls` - store requests that end in time when
   the way to the store is gone;
-* :mod:`~hetpipe.launch.rank_env` - this process's rank and restart attempt,
-  from its launcher's environment;
 * :mod:`~hetpipe.launch.nodes` - which node each rank runs on, and the roll call;
 * :mod:`~hetpipe.launch.scheduler_env` - a node's place from plain variables,
   Slurm or Kubernetes (``python -m hetpipe.launch.scheduler_env``, what
@@ -31,10 +29,12 @@ command line and a rank's first training step, and after its last.
 * :mod:`~hetpipe.launch.restart` - what a restarted job resumes from;
 * :mod:`~hetpipe.launch.dir_lock` and :mod:`~hetpipe.launch.job_dirs` - one live
   job per run and checkpoint directory, locked before anything is written there;
-* :mod:`~hetpipe.launch.preemption` - saving on a scheduler's stop signal;
-* :mod:`~hetpipe.launch.faults` - injected faults, for tests of all of the above.
+* :mod:`~hetpipe.launch.preemption` - saving on a scheduler's stop signal.
+
+This process's rank and restart attempt, and the faults tests inject, are
+:mod:`hetpipe.process.rank_env` and :mod:`hetpipe.process.faults`, below both this
+package and the checkpoint saver that reads them.
 
 Nothing is imported here: a CLI imports :mod:`~hetpipe.launch.local` before
-torch (to start the fork server early), and the checkpoint saver imports
-:mod:`~hetpipe.launch.faults` and :mod:`~hetpipe.launch.rank_env` alone.
+torch (to start the fork server early).
 """

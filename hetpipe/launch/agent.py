@@ -74,7 +74,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from hetpipe import console_log
+from hetpipe.observe import console_log
 from hetpipe.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, HetpipeError, error_line,
                             fail)
 from hetpipe.launch.dir_lock import release_all as release_dir_locks
@@ -84,10 +84,10 @@ from hetpipe.launch.frozen_ranks import FrozenNotes
 from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
-from hetpipe.launch.rank_env import ATTEMPT_ENV
+from hetpipe.process.rank_env import ATTEMPT_ENV
 from hetpipe.launch.store_bind import BoundStores
 from hetpipe.launch.verdicts import job_seal
-from hetpipe.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, fork_server_pid, rendezvous_round
+from hetpipe.process.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, fork_server_pid, rendezvous_round
 
 T = TypeVar("T")
 
@@ -122,7 +122,7 @@ _HANG_GRACE_S = 5.0
 # Statuses a rank exits with after printing its own line (job_watch.stop_rank).
 _SAID_WHY = (EXIT_CRASH, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY)
 # Failures a restart would meet again: a device out of memory runs out at the
-# same step of the same plan (hetpipe.memory_fit).
+# same step of the same plan (hetpipe.training.memory_fit).
 _RECURRING = (EXIT_OUT_OF_MEMORY,)
 
 
@@ -155,7 +155,7 @@ class HetpipeAgent(AgentHooks):
     def preempt_dir(self) -> Path:
         return self.launch_dir / f"attempt{self.attempt}"
 
-    # -- the hooks of torch's agent (hetpipe.torch_compat.AgentHooks) ----------------------
+    # -- the hooks of torch's agent (hetpipe.process.torch_compat.AgentHooks) ----------------------
     def after_rendezvous(self, worker_group: WorkerGroup) -> None:
         round_ = rendezvous_round(worker_group.spec.rdzv_handler)
         if round_ is None:  # another handler than c10d's: count attempts by this agent's restarts

@@ -18,7 +18,7 @@ import math
 import resource
 from typing import NamedTuple
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 
 log = logging.getLogger(__name__)

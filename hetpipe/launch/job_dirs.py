@@ -28,11 +28,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from hetpipe.errors import run_cli
 from hetpipe.launch.dir_lock import acquire, release
-from hetpipe.launch.rank_env import under_torchrun
+from hetpipe.process.rank_env import under_torchrun
 
 if TYPE_CHECKING:
     from hetpipe.checkpoint.settings import CheckpointConfig
-    from hetpipe.cluster import ClusterConfig
+    from hetpipe.devices.cluster import ClusterConfig
 
 
 class JobDirsCallback(Callback):
@@ -82,7 +82,6 @@ def _node(cluster: ClusterConfig) -> int:
     (a local launch is one node, node 0)."""
     if not under_torchrun():
         return 0
-    from hetpipe.launch.nodes import NodeMap
-    from hetpipe.topology import launched_multi_node
+    from hetpipe.launch.nodes import NodeMap, launched_multi_node
 
     return NodeMap.layout(cluster, launched_multi_node(cluster)).node_of[int(os.environ["RANK"])]

@@ -9,7 +9,7 @@ knows the *cause* posts it under one key of the job's store (first post wins,
 ``compare_set``), and every rank exits with the status posted with it (the
 first of a node's ranks to stop prints the line, once per node) - 3 (``EXIT_LOST_PEER``) for a node, link or peer that
 failed, 1 (``EXIT_CRASH``) for a crashed rank, 4 (``EXIT_OUT_OF_MEMORY``) for
-a device out of memory (:mod:`hetpipe.memory_fit`), 2 only for bad input - which
+a device out of memory (:mod:`hetpipe.training.memory_fit`), 2 only for bad input - which
 the launchers read as "this rank already said why":
 
 * a boundary channel posts from its I/O thread the moment a peer fails mid-
@@ -62,7 +62,7 @@ deadline 8 s), ended both launchers with status 3 1.9 to 13.3 s later: within
 store died, its line came 0.15 s after the NIC went down (it used to come
 never: the watch blocked in a store request for 9.7 minutes, until killed)
 and its launcher exited 10.7 to 13.3 s after (5 s for its rendezvous call,
-:func:`hetpipe.torch_compat.bound_rendezvous_calls`, and 5 s for the
+:func:`hetpipe.process.torch_compat.bound_rendezvous_calls`, and 5 s for the
 verdict, hetpipe/launch/agent.py); a node that could no longer reach the
 store said so after 4 s (half the deadline) and its launcher exited at 11.2 s.
 With a 15 s deadline (tests/test_node_faults.py), a killed node stops the
@@ -145,7 +145,7 @@ class JobWatch:
         self.rank = rank
         self.deadline = deadline
         self.nodes: Optional[NodeMap] = None
-        self.seal = job_seal()  # also the roll call's and the direct channel's (hetpipe.topology)
+        self.seal = job_seal()  # also the roll call's and the direct channel's (hetpipe.training.topology)
         self._who = f"[rank {rank}] "
         self._store_at = (store.host, store.port)
         client = dist.PrefixStore(prefix, dist.TCPStore(store.host, store.port, is_master=False,
@@ -439,7 +439,7 @@ def _is_secondary(exc: BaseException) -> bool:
 
 def _is_comm_failure(exc: BaseException) -> bool:
     """torch.distributed failures (gloo raises plain RuntimeErrors that name its transport)."""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and dist.Backend.GLOO in str(exc))
 
 
 def stop_rank(exc: BaseException) -> NoReturn:

@@ -37,11 +37,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.launch.fd_limit import Need, ensure_fd_limit, launcher_need, raise_fd_limit_early, rank_need
 from hetpipe.launch.job_secret import provide_local_secret
-from hetpipe.launch.rank_env import restart_attempt, under_torchrun
+from hetpipe.process.rank_env import restart_attempt, under_torchrun
 
 
 def _worker(fn: Callable[..., Any], args: tuple, env: Optional[dict[str, str]] = None,
@@ -234,7 +234,7 @@ def _start_fork_server() -> None:
     before each. Nothing in the server runs a kernel or a thread, which is
     what makes forking it safe."""
     from hetpipe.launch.preemption import LAUNCH_DIR_ENV
-    from hetpipe.torch_compat import RANK_PRELOAD
+    from hetpipe.process.torch_compat import RANK_PRELOAD
 
     if not os.environ.get(LAUNCH_DIR_ENV):
         os.environ[LAUNCH_DIR_ENV] = tempfile.mkdtemp(prefix="hetpipe-launch-")
@@ -243,7 +243,7 @@ def _start_fork_server() -> None:
         shutil.rmtree(entry, ignore_errors=True)
     context = multiprocessing.get_context("forkserver")
     # Not hetpipe.pretrain: a rank runs the main module anew (runpy warns when it is loaded already).
-    context.set_forkserver_preload([*RANK_PRELOAD, "hydra", "hetpipe.trainer", "hetpipe.launch.local"])
+    context.set_forkserver_preload([*RANK_PRELOAD, "hydra", "hetpipe.training.trainer", "hetpipe.launch.local"])
     # A scheduler's stop signal may reach every process of the job (Slurm
     # signals the whole step): the server must outlive it, or the agent reads
     # every rank as ended at once (status 255) and reports them unsaved while
@@ -271,9 +271,9 @@ def _stop_fork_server() -> None:
     0.7-1.1 s more to tear down the torch it imported: a two-rank cpu_mixed
     run's output ended that long after the launcher had exited, and whoever
     reads the output to its end (a pipe, a test) waited for it too."""
-    if "hetpipe.torch_compat" not in sys.modules:  # no run got as far as torch: leave it be
+    if "hetpipe.process.torch_compat" not in sys.modules:  # no run got as far as torch: leave it be
         return
-    pid = sys.modules["hetpipe.torch_compat"].fork_server_pid()
+    pid = sys.modules["hetpipe.process.torch_compat"].fork_server_pid()
     if pid:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)

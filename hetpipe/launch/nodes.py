@@ -18,6 +18,7 @@ machines do not. The devices are checked against the plan once all arrived.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.comm.nics import network_identity
 from hetpipe.devices.facts import DeviceFacts
 from hetpipe.errors import EXIT_LOST_PEER, HetpipeError
@@ -34,6 +35,13 @@ from hetpipe.launch.store_seal import ForgedStoreValue, Seal, Unsealed
 
 # How often the roll call looks for a failure another rank posted meanwhile.
 _POLL_S = 0.5
+
+
+def launched_multi_node(cluster: ClusterConfig) -> bool:
+    """The job spans more than one node: the cluster config says so, or the launcher
+    started more than one (launch_cluster.sh's HETPIPE_NNODES, torchrun's GROUP_WORLD_SIZE)."""
+    counts = (os.environ.get(name, "").strip() for name in ("HETPIPE_NNODES", "GROUP_WORLD_SIZE"))
+    return not cluster.single_node or any(c.isdigit() and int(c) > 1 for c in counts)
 
 
 class NodeMissing(HetpipeError):

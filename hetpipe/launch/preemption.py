@@ -6,7 +6,7 @@ Slurm preempts a job by sending SIGTERM to its processes and SIGKILL after
 that long before the time limit. The signal reaches ranks at different
 moments (a launcher forwards it, a scheduler signals every process), so a
 rank only notes it; the ranks agree on the stop through the step's gradient
-exchange (every rank's flag rides on it, :class:`hetpipe.gradients.ClipResult`),
+exchange (every rank's flag rides on it, :class:`hetpipe.training.gradients.ClipResult`),
 which puts every rank's stop after the same step.
 
 Under a launcher (:mod:`hetpipe.launch`), each rank leaves a marker in

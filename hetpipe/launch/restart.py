@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from hetpipe.checkpoint import CheckpointConfig, latest_checkpoint, resolve_save_dir
-from hetpipe.launch.rank_env import restart_attempt
+from hetpipe.process.rank_env import restart_attempt
 
 
 def resume_setting(cfg: CheckpointConfig, run_dir: str | Path, node: int = 0) -> CheckpointConfig:

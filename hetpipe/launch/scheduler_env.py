@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 import yaml
 from omegaconf import OmegaConf
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.nics import check_dialable, resolve_local_nics, selection_setting
 from hetpipe.errors import ConfigError, config_error_from, run_cli
 # The token-file rules live in job_secret (one implementation); read_token_file stays importable from here.

@@ -18,7 +18,7 @@ clients are told to dial:
   into the endpoint.
 * the agent's store (:func:`agent_store`): on the address the ranks are given
   as ``MASTER_ADDR`` - torch's agent makes it through the rendezvous
-  handler, which :func:`hetpipe.torch_compat.make_agent_store_with` points here.
+  handler, which :func:`hetpipe.process.torch_compat.make_agent_store_with` points here.
 
 A one-host job binds loopback. A job on several nodes binds the address the
 other nodes dial - an IP address of this node (launch_cluster.sh gives
@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from hetpipe.torch_compat import make_agent_store_with
+from hetpipe.process.torch_compat import make_agent_store_with
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     # Like torch itself, only now: the agent imports torch at its top.
     from hetpipe.launch.agent import HANDLED_SIGNALS, agent_run, quiet_torch_launcher
-    from hetpipe.torch_compat import require_supported_torch
+    from hetpipe.process.torch_compat import require_supported_torch
 
     require_supported_torch()
 

@@ -23,13 +23,13 @@ from typing import Any, NamedTuple, Optional
 from hetpipe.errors import EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, ConfigError
 from hetpipe.launch.job_secret import ENV_TOKEN, ENV_TOKEN_FILE, find_job_secret, require_job_secret
 from hetpipe.launch.preemption import marker_dir
-from hetpipe.launch.rank_env import restart_attempt
+from hetpipe.process.rank_env import restart_attempt
 from hetpipe.launch.store_calls import call_within
 from hetpipe.launch.store_seal import Seal, Unsealed
 
 ABORT_KEY = "hetpipe/abort"
 # The statuses a verdict may end ranks with: those hetpipe's ranks and
-# launchers post (hetpipe/errors.py). Not 0: a forged 0 once ended both ranks
+# launchers post (hetpipe/errors/__init__.py). Not 0: a forged 0 once ended both ranks
 # of a run at step 7 of 40 without a result, and its launcher never exited.
 VERDICT_CODES = frozenset((EXIT_CRASH, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY))
 # A forged value in the key is replaced by a rank's own verdict

@@ -1,5 +1,5 @@
 """Facts about a process group that the tensor- and data-parallel code share
-(the groups themselves are made by hetpipe.topology): a group's size and rank
+(the groups themselves are made by hetpipe.training.topology): a group's size and rank
 even without torch.distributed (a one-process run, a
 unit test), whether it is NCCL, and the single-tensor collectives under the
 name each torch version gives them."""

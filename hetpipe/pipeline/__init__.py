@@ -1,4 +1,5 @@
-"""The pipeline: its vocabulary, its schedules and the engine that runs them.
+"""The pipeline: its vocabulary and its schedules (the engine that runs them is
+:mod:`hetpipe.training.engine`).
 
 A ground floor every other part of hetpipe may import (the partitioner
 prices these schedules, the trainer runs them); it imports nothing of the
@@ -17,9 +18,6 @@ partitioner, the launcher, the doctor, checkpoints or the trainer.
   with their sends and receives), and forward-only for validation;
 * :mod:`~hetpipe.pipeline.schedule_check` - the simulator that proves a
   schedule and measures its peaks and makespan;
-* :mod:`~hetpipe.pipeline.engine` - runs one rank's action list over
-  StageLinks.
-
-Nothing is imported here, so that a planner importing the vocabulary does
-not load torch through the engine.
+Nothing is imported here, so that a planner importing the vocabulary loads no
+more of it than it reads.
 """

@@ -4,7 +4,7 @@ A rank forwards (F) or backwards (B, or B split into BWD_INPUT and
 BWD_WEIGHT) one microbatch on one of its model chunks, and sends or receives
 what a neighbouring virtual stage needs. Schedules (:mod:`hetpipe.pipeline.schedules`)
 order these actions, the simulator (:mod:`hetpipe.pipeline.schedule_check`) proves an
-order correct and the engine (:mod:`hetpipe.pipeline.engine`) runs it; this module is
+order correct and the engine (:mod:`hetpipe.training.engine`) runs it; this module is
 only their shared vocabulary, so that a schedule generator of its own module
 (:mod:`hetpipe.pipeline.schedule_zbv`) needs nothing else.
 """

@@ -12,7 +12,7 @@ import dataclasses
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig, model_preset
-from hetpipe.pretrain_config import OptimizerConfig
+from hetpipe.schema.pretrain_config import OptimizerConfig
 
 PRECISIONS = ("bf16", "fp8")
 # The optimizer schedule of the bench (as scripts/bench_pp2_llm.py's): hetpipe's

@@ -1,6 +1,6 @@
 """A sweep's plots: throughput by plan (``sweep_throughput.png``) and loss curves
 labelled by each job's overrides (``sweep_loss.png``), from the rows of
-hetpipe/sweep_summary.py. matplotlib is imported here alone: the table needs
+hetpipe/cli/sweep_summary.py. matplotlib is imported here alone: the table needs
 no plotting stack (an ImportError tells the caller it is missing)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hetpipe.sweep_summary import SweepRow
+    from hetpipe.cli.sweep_summary import SweepRow
 
 
 def _figure(width: float, height: float):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hetpipe.suggest import did_you_mean
+from hetpipe.errors.suggest import did_you_mean
 
 DOC = "docs/coming_from_megatron.md"
 # Hydra's own flags (hydra/_internal/utils.py's parser) and those that take a value.

@@ -41,9 +41,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hetpipe.errors import ConfigError, HetpipeError
-from hetpipe.pretrain_config import LoggingConfig
-from hetpipe.sample_log import SampleLog
-from hetpipe.straggler import StragglerReport, describe
+from hetpipe.schema.pretrain_config import LoggingConfig
+from hetpipe.observe.sample_log import SampleLog
+from hetpipe.observe.straggler import StragglerReport, describe
 
 
 @dataclass
@@ -140,7 +140,7 @@ class MetricsLogger:
         time since the previous step's values were queued. On a GPU the host runs
         ahead of the device, so this is when the host got through the step, not
         when the device finished it; the step's reads of its grad norm and loss
-        (hetpipe.nonfinite) already wait for its forwards and backwards, so it is
+        (hetpipe.training.nonfinite) already wait for its forwards and backwards, so it is
         the step's wall time except that its optimizer update, queued after those
         reads, overlaps the next step and is counted there. Over an interval the
         steps' times add up to its wall time, less what was still queued at the end.

@@ -75,7 +75,7 @@ def _described(changes: list[tuple[str, Any, Any]]) -> str:
 def reconcile_schedule(saved: Mapping[str, Any], cfg: Any, rank: int, lr_at: LrAt) -> None:
     """Stop, note or undo a change of schedule against the checkpoint's (``saved``),
     as ``cfg.checkpoint.schedule`` says; ``cfg`` is changed in place for ``checkpoint``.
-    ``lr_at`` is the trainer's learning rate of a step (hetpipe.trainer.lr_at)."""
+    ``lr_at`` is the trainer's learning rate of a step (hetpipe.training.trainer.lr_at)."""
     changes = schedule_changes(saved, cfg, lr_at)
     setting = cfg.checkpoint.schedule
     if not changes:

@@ -14,12 +14,11 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import hetpipe.value_checks as value_checks
+import hetpipe.errors.value_checks as value_checks
 from hetpipe.errors import ConfigError
+from hetpipe.pipeline.transports import MOVERS, TRANSPORTS, transport
 
 VENDORS = ("nvidia", "amd", "cpu", "auto")
-TRANSPORTS = ("tcp", "direct", "gloo", "auto")
-MOVERS = ("auto", "shm", "ipc", "mooncake-tcp", "mooncake-rdma")
 
 
 @dataclass
@@ -60,11 +59,9 @@ class GroupConfig:
 @dataclass
 class TransportConfig:
     # Channel for boundaries that cross vendors: tcp (CPU-forwarding), direct
-    # (device-direct: CPU control plane, data through shared memory on CPU or
-    # CUDA/HIP IPC on GPUs, one host only), gloo (torch.distributed over gloo),
-    # auto (= tcp: the CUDA/HIP IPC mover needs one vendor's runtime on both
-    # sides, which a real cross-vendor boundary is not, and there is no RDMA
-    # mover across nodes yet).
+    # (device-direct: CPU control plane, data through a mover), gloo
+    # (torch.distributed over gloo), auto (the registry's fallback, tcp:
+    # hetpipe/pipeline/transports.py says why). One entry per kind there.
     kind: str = "auto"
     # What moves a kind=direct boundary's bytes. auto chooses per boundary:
     # one host -> CUDA/HIP IPC between GPUs of one runtime, shared memory
@@ -98,9 +95,10 @@ class TransportConfig:
     # tcp frame's header and payload, numbered so frames cannot be altered,
     # replayed or reordered by an attacker on the network path (the handshake
     # alone already refuses peers without the job secret). Off by default:
-    # it hashes every byte once more on each side (~1.3 GB/s per core), and
-    # 64 MiB messages over 4 loopback streams of a 16-core host fell from 11.6
-    # to 3.5 GB/s (docs/benchmarks.md). tcp only (see comm/message_mac.py).
+    # it hashes every byte once more on each side, which cuts the channel's
+    # bandwidth several-fold (docs/benchmarks.md, "Boundary security: the
+    # per-frame MAC's cost", with its command). Transports whose entry allows
+    # it only (hetpipe/pipeline/transports.py; comm/message_mac.py).
     message_mac: bool = False
     # Same-vendor (NCCL/RCCL) stage boundaries: at most this many CTAs, hence
     # SMs, per transfer (ncclConfig_t.maxCTAs of the boundary communicators
@@ -112,10 +110,10 @@ class TransportConfig:
     # (torch's SM carveout for cuBLASLt). Hopper's GEMMs are persistent, one
     # CTA per SM: a few SMs held by a waiting NCCL kernel push part of every
     # GEMM into a second wave. null (auto): nccl_max_ctas times the rank's
-    # boundary communicators on NVIDIA ranks that have any; 0: off. On 2xH200
-    # (LLaMA-3-8B, seq 4096) 2 CTAs with 4 SMs carved out ran 6.3 % faster
-    # than 4 CTAs without (docs/benchmarks.md). See
-    # hetpipe/topology.py:apply_gemm_sm_carveout.
+    # boundary communicators on NVIDIA ranks that have any; 0: off. Measured
+    # with nccl_max_ctas in docs/benchmarks.md, "NCCL boundaries that leave
+    # SMs to the GEMMs" (2026-11-22). See
+    # hetpipe/training/topology.py:apply_gemm_sm_carveout.
     gemm_sm_carveout: Optional[int] = None
 
 
@@ -152,8 +150,7 @@ class ClusterConfig:
                 raise ConfigError(f"cluster group {g.name!r}: vendor {g.vendor!r} is not one of {VENDORS}")
             if g.nodes <= 0 or g.ranks_per_node <= 0:
                 raise ConfigError(f"cluster group {g.name!r}: nodes and ranks_per_node must be positive")
-        if self.transport.kind not in TRANSPORTS:
-            raise ConfigError(f"cluster.transport.kind={self.transport.kind!r} is not one of {TRANSPORTS}")
+        entry = transport(self.transport.kind)
         if self.transport.mover not in MOVERS:
             raise ConfigError(f"cluster.transport.mover={self.transport.mover!r} is not one of {MOVERS}")
         if not self.transport.addresses or self.transport.streams_per_address <= 0:
@@ -170,9 +167,10 @@ class ClusterConfig:
                                   "10.201.0.0/24") from None
         value_checks.positive("cluster.transport.deadline_s", self.transport.deadline_s,
                               why=": a number of seconds every boundary wait may take")
-        if self.transport.message_mac and self.transport.kind in ("direct", "gloo"):
-            raise ConfigError(f"cluster.transport.message_mac covers the tcp channel's frames only, not "
-                              f"kind={self.transport.kind}: use kind=tcp, or message_mac=false")
+        if self.transport.message_mac and not entry.message_mac:
+            macs = [k for k, t in TRANSPORTS.items() if t.message_mac]
+            raise ConfigError(f"cluster.transport.message_mac covers the {'/'.join(macs)} channel's frames only, "
+                              f"not kind={self.transport.kind}: use kind={macs[0]}, or message_mac=false")
         if self.transport.nccl_max_ctas is not None and self.transport.nccl_max_ctas <= 0:
             raise ConfigError(f"cluster.transport.nccl_max_ctas={self.transport.nccl_max_ctas} must be a "
                               "positive number of CTAs (or null for NCCL's choice)")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hetpipe.models import CausalLM, ModelConfig
 from hetpipe.parallel.tp_shards import tp_sq_norm_share
-from hetpipe.torch_compat import foreach_mul_, foreach_norm
+from hetpipe.process.torch_compat import foreach_mul_, foreach_norm
 
 
 def global_parameter_order(cfg: ModelConfig) -> dict[str, int]:

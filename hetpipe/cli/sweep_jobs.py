@@ -5,7 +5,7 @@ overrides in ``<job num>/.hydra/overrides.yaml`` (configs/pretrain.yaml's
 ``hydra.sweep``). hetpipe adds ``job_status.json`` to each job directory as
 the job ends: its exit status, the one a single run of it would have ended
 with. A job that fails does not end the sweep: the next job runs, the
-summary (hetpipe/sweep_summary.py) lists the failed one with its status,
+summary (hetpipe/cli/sweep_summary.py) lists the failed one with its status,
 and the sweep's process ends with the first failed job's status. A job with
 no record was killed, or is still running.
 """

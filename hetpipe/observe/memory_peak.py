@@ -3,7 +3,7 @@
 The planner predicts each stage's peak (partitioner/schedule_model.py); when a
 run's measured peak is above that, the question is which tensors were alive at
 the moment of the peak. Step ``N`` runs with the CUDA caching allocator's
-history on (Python frames only, hetpipe/torch_compat.py, as
+history on (Python frames only, hetpipe/process/torch_compat.py, as
 torchtitan's ``profiling.enable_memory_snapshot``), and each GPU rank writes
 to the run directory:
 
@@ -13,7 +13,7 @@ to the run directory:
   that were allocated before the step and still are at the peak (weights,
   gradients, optimizer state), and the step's own allocations alive at the
   peak grouped by where they were made: the engine's action (its frame in
-  hetpipe/pipeline/engine.py) and the innermost frame of hetpipe's code.
+  hetpipe/training/engine.py) and the innermost frame of hetpipe's code.
 
 Recording slows the step (a Python stack per allocation); benchmarks should
 not time it. CPU ranks have no allocator history and write nothing.
@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from hetpipe.torch_compat import allocator_snapshot, record_allocator_history
+from hetpipe.process.torch_compat import allocator_snapshot, record_allocator_history
 
 GIB = 2**30
 # Frames of these files are the library's, not a place a user can act on.

@@ -13,7 +13,7 @@ CPU ranks use host RAM: a group given a capacity, ``planner.memory_gib.<group>``
 (the planner's stand-in for the small GPU an emulated group plays), is checked
 against it here, so an emulated cluster can rehearse the refusal; the others
 are checked together against the host's available memory
-(:mod:`hetpipe.host_memory_fit`).
+(:mod:`hetpipe.training.host_memory_fit`).
 
 An out-of-memory error that still happens (torch's OutOfMemoryError) becomes
 one line naming the rank, stage, step and the device's allocated and total

@@ -6,7 +6,7 @@
 * actions: ``kill`` (SIGKILL this process: no handler, no cleanup, as the
   kernel's OOM killer or a dead node does), ``raise`` (a RuntimeError, i.e. a
   bug), ``oom`` (torch's OutOfMemoryError, as a device allocation that
-  failed raises it, so that the out-of-memory path of hetpipe.memory_fit
+  failed raises it, so that the out-of-memory path of hetpipe.training.memory_fit
   runs on CPU too), ``nan`` (the point's tensors become +inf), ``sleep=<seconds>``
   (a slow rank), ``signal=<NAME>`` (send this process a signal, as a
   scheduler would);
@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from hetpipe.errors import ConfigError
-from hetpipe.launch.rank_env import restart_attempt
+from hetpipe.process.rank_env import restart_attempt
 
 ENV = "HETPIPE_FAULT"
 POINTS = ("step", "grads", "save")

@@ -56,7 +56,7 @@ class _Step:
 
     microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     recvs: list[Action]
-    # Each microbatch's loss weight (hetpipe.token_loss), on the device; None: no weights.
+    # Each microbatch's loss weight (hetpipe.training.token_loss), on the device; None: no weights.
     loss_weights: Optional[torch.Tensor] = None
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
@@ -179,7 +179,7 @@ class PipelineEngine:
         Each action goes to its handler in :attr:`_HANDLERS`, keyed by the
         action constants. The step's loss is the mean over microbatches of
         each microbatch's loss, each times its ``loss_weights`` entry where
-        they are given (hetpipe.token_loss's make it the mean over tokens;
+        they are given (hetpipe.training.token_loss's make it the mean over tokens;
         without, it is the mean of the microbatch means). Returns the sum of
         the weighted microbatch losses (in microbatch order) on the rank that
         holds the last virtual stage, else None.

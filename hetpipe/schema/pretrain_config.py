@@ -14,8 +14,8 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from hetpipe.checkpoint.settings import CheckpointConfig
-from hetpipe.cluster import ClusterConfig
-from hetpipe.config_help import register_help_resolver
+from hetpipe.devices.cluster import ClusterConfig
+from hetpipe.schema.config_help import register_help_resolver
 from hetpipe.data.sources import parse_data_path
 from hetpipe.data.split import parse_split
 from hetpipe.errors import ConfigError, config_error_from
@@ -24,7 +24,7 @@ from hetpipe.models.train_modes import (FP8_RECIPES, PRECISIONS, check_attention
                                         elementwise_mode)
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE
-import hetpipe.value_checks as value_checks
+import hetpipe.errors.value_checks as value_checks
 
 # Microbatches per step at most (global_batch_size / micro_batch_size): each rank
 # holds its step as a list of a few actions per microbatch, and the memory check
@@ -89,7 +89,7 @@ class TrainConfig:
     # deterministic kernels (torch.use_deterministic_algorithms; an op without
     # one fails in one line), cuBLAS's fixed workspace, NCCL/RCCL fixed to Ring
     # and Simple, SDPA backends with a deterministic backward (flash, not
-    # cuDNN), no GEMM SM carveout; hetpipe/determinism.py says why each. Two
+    # cuDNN), no GEMM SM carveout; hetpipe/training/determinism.py says why each. Two
     # NCCL runs on 2xH100 (0.75B LLaMA-3 shape, bf16, 200 steps) otherwise
     # differed by up to 1.8e-2 relative in loss, which hides a channel's
     # parity (issue 31). Costs speed: on 2xH100 (that shape) steps took
@@ -103,7 +103,7 @@ class TrainConfig:
     # Record this optimizer step's (1-based) device allocations on GPU ranks:
     # each writes memory_snapshot_rank<r>.pickle (for pytorch.org/memory_viz)
     # and memory_peak_rank<r>.txt (the peak, and what was alive at it by the
-    # engine action and hetpipe frame that made it; hetpipe/memory_peak.py).
+    # engine action and hetpipe frame that made it; hetpipe/observe/memory_peak.py).
     # For a peak above the planner's prediction: the tcp boundary's 1.7-3.3
     # GiB over it at seq 8192 on 2xH100 (docs/benchmarks.md) was found so.
     memory_snapshot_step: Optional[int] = None
@@ -143,7 +143,7 @@ class TrainConfig:
     # that ran out of memory is not restarted: it would run out again.
     max_restarts: int = 0
     # Refuse, before step 1, a plan whose predicted memory per device does not
-    # fit the device a stage's ranks got (hetpipe/memory_fit.py). The
+    # fit the device a stage's ranks got (hetpipe/training/memory_fit.py). The
     # prediction is the planner's model, which has so far under-predicted
     # measured peaks; false runs such a plan anyway.
     memory_check: bool = True
@@ -292,7 +292,7 @@ class DataConfig:
     # Megatron's --eod-mask-loss: positions whose input token is the
     # tokenizer's end of document get no loss (the model is not asked for the
     # next document's first token), in training and validation. The loss is
-    # then the mean over the global batch's counted tokens (hetpipe/token_loss.py):
+    # then the mean over the global batch's counted tokens (hetpipe/training/token_loss.py):
     # the last stage counts its labels and all-reduces one integer over its DP
     # group per step. Off by default, as in Megatron; off, nothing is counted and
     # runs are bitwise what they were. scripts/bench_data_step.py, one rank
@@ -336,7 +336,7 @@ class LoggingConfig:
     tensorboard: bool = False
     # Show a rich progress bar where the rank's output is a terminal (a torchrun
     # rank's; the local launcher's ranks print through pretrain.log's tee,
-    # hetpipe/console_log.py, and their lines carry the elapsed time and ETA).
+    # hetpipe/observe/console_log.py, and their lines carry the elapsed time and ETA).
     progress: bool = True
     # Each log line names the slowest rank's busy time per step (time not
     # spent waiting on pipeline neighbours) against its stage's median, so
@@ -346,7 +346,7 @@ class LoggingConfig:
     straggler: bool = False
     # Rank 0 appends each step's global batch - the step, whether its update
     # was applied, every sample's global index and, for a blend, its source -
-    # to <run dir>/samples.bin (header samples.json; hetpipe/sample_log.py).
+    # to <run dir>/samples.bin (header samples.json; hetpipe/observe/sample_log.py).
     # On by default because it is cheap: at a global batch of 1024 (seq 4096)
     # a record is 4105 bytes (5129 for a blend: 4 + 1 per sample), 0.4 GB per
     # 100k steps, and writing and flushing it took 0.08 ms per step
@@ -395,9 +395,10 @@ class PartitionConfig:
     # Boundary receives the engine keeps posted ahead of use (1: each receive
     # is posted when the schedule reaches it, as Megatron does). None (auto): 1
     # on ranks with an NCCL/RCCL boundary - a posted NCCL receive is a kernel
-    # holding SMs until its data arrives, and with 2 ahead the stage's GEMMs
-    # ran 15 % slower on 2xH200 - and 2 elsewhere (hetpipe's channels move
-    # bytes by copy engine or host threads, so receiving early costs no SMs).
+    # holding SMs until its data arrives, which slows the stage's GEMMs
+    # (docs/benchmarks.md, "bf16 mode, LLaMA-3-8B PP2 on 2x NVIDIA H200") - and
+    # 2 elsewhere (hetpipe's channels move bytes by copy engine or host
+    # threads, so receiving early costs no SMs).
     recv_ahead: Optional[int] = None
 
     def __post_init__(self) -> None:

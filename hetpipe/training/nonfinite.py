@@ -4,7 +4,7 @@ A loss spike that overflows (or a bad batch, or a flaky device) gives an inf
 or NaN gradient norm. Applying that step would write NaN into every weight
 and AdamW moment, and the run would be lost back to its last checkpoint. The
 global norm and the global loss are known on every rank after the clip's one
-exchange (:class:`hetpipe.gradients.GradNormClipper`), so every rank takes the
+exchange (:class:`hetpipe.training.gradients.GradNormClipper`), so every rank takes the
 same decision from the same numbers without another collective: a
 non-finite step is skipped everywhere (no weight or optimizer-state change),
 and a run that keeps producing them stops with an error instead of spinning.

@@ -12,7 +12,7 @@ The last stage's per-microbatch losses are gathered over the world group and
 summed one by one in fp32 in the global microbatch order (batch by batch, DP
 rank by DP rank), then divided by their count, as a training step's loss is.
 With masked labels (``data.eod_mask_loss``) each loss is first weighted by
-its microbatch's counted tokens (hetpipe.token_loss), so ``val_loss`` is the
+its microbatch's counted tokens (hetpipe.training.token_loss), so ``val_loss`` is the
 mean over every counted token, as the training loss is; unmasked, every
 weight is 1 and nothing is multiplied.
 The value therefore depends on the weights and the data only, not on the
@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 
 from hetpipe.data import MicrobatchLoader
-from hetpipe.pipeline.engine import PipelineEngine
+from hetpipe.training.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.models.precision import Bf16Weights
-from hetpipe.pretrain_config import PretrainConfig
+from hetpipe.schema.pretrain_config import PretrainConfig
 from hetpipe.pipeline.schedules import Action, forward_only
-from hetpipe.token_loss import counted_tokens, token_weights
-from hetpipe.topology import Topology
+from hetpipe.training.token_loss import counted_tokens, token_weights
+from hetpipe.training.topology import Topology
 
 
 def validation_loader(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> Optional[MicrobatchLoader]:
@@ -119,7 +119,7 @@ class Validator:
 
 def _token_mean(values: np.ndarray, counts: np.ndarray) -> float:
     """The fp32 mean of the microbatch losses ``values``, each weighted by its
-    counted tokens (hetpipe.token_loss); all weights 1 without masked labels,
+    counted tokens (hetpipe.training.token_loss); all weights 1 without masked labels,
     and then nothing is multiplied. cumsum adds one after another (a plain sum
     may pair them up)."""
     weights = np.asarray(token_weights([int(c) for c in counts], int(counts.sum())), dtype=np.float32)

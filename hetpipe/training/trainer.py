@@ -4,7 +4,7 @@ AdamW with warmup + cosine decay, metrics.
 One optimizer step consumes one global batch, split into microbatches whose
 gradients accumulate (each microbatch loss is scaled by 1/num_microbatches, so
 the step's gradient is that of the mean loss over the global batch, Megatron's
-convention; with masked labels, of the mean over its tokens: hetpipe.token_loss).
+convention; with masked labels, of the mean over its tokens: hetpipe.training.token_loss).
 GPUs run bf16 working copies of fp32 main weights (Megatron's bf16 mode, see
 hetpipe.models.precision); CPUs run fp32.
 """
@@ -25,26 +25,26 @@ from omegaconf import OmegaConf
 from hetpipe.checkpoint import CheckpointSaver, restore, should_save
 from hetpipe.comm.factory import check_transport_available
 from hetpipe.devices.vendor import accelerator_name, detect_vendor
-from hetpipe.known_warnings import quiet_known_warnings
-from hetpipe.pretrain_config import OptimizerConfig, PretrainConfig, resolve
+from hetpipe.process.known_warnings import quiet_known_warnings
+from hetpipe.schema.pretrain_config import OptimizerConfig, PretrainConfig, resolve
 from hetpipe.data import MicrobatchLoader
-from hetpipe.pipeline.engine import PipelineEngine
-from hetpipe.evaluate import build_validator, validation_loader
-from hetpipe.export_tokenizer import tokenizer_record
-from hetpipe.gradients import GradNormClipper, sync_tied_embedding_grads
-from hetpipe.launch import faults
+from hetpipe.training.engine import PipelineEngine
+from hetpipe.training.evaluate import build_validator, validation_loader
+from hetpipe.checkpoint.export_tokenizer import tokenizer_record
+from hetpipe.training.gradients import GradNormClipper, sync_tied_embedding_grads
+from hetpipe.process import faults
 from hetpipe.launch.local import launch
 from hetpipe.launch.preemption import PreemptionWatch, write_marker
-from hetpipe.launch.rank_env import rank_env, restart_attempt, under_torchrun
+from hetpipe.process.rank_env import rank_env, restart_attempt, under_torchrun
 from hetpipe.launch.restart import resume_setting
-from hetpipe import determinism, host_memory_fit, memory_fit
-from hetpipe.determinism import seed_everything
-from hetpipe.metrics import MetricsLogger, RunShape
-from hetpipe.nonfinite import NonFiniteGuard
-from hetpipe.sample_log import SampleLog
-from hetpipe.schedule_change import reconcile_schedule, schedule_record
-from hetpipe.token_loss import TokenWeights, step_weights
-from hetpipe.straggler import StragglerReport
+from hetpipe.training import determinism, host_memory_fit, memory_fit
+from hetpipe.training.determinism import seed_everything
+from hetpipe.observe.metrics import MetricsLogger, RunShape
+from hetpipe.training.nonfinite import NonFiniteGuard
+from hetpipe.observe.sample_log import SampleLog
+from hetpipe.training.schedule_change import reconcile_schedule, schedule_record
+from hetpipe.training.token_loss import TokenWeights, step_weights
+from hetpipe.observe.straggler import StragglerReport
 from hetpipe.models import build_model
 from hetpipe.models.documents import DocumentRule
 from hetpipe.models.transformer import set_document_masking
@@ -66,11 +66,11 @@ from hetpipe.models.fp8 import compiles_layers, convert_to_fp8
 from hetpipe.models.precision import (WORKING_COPY_MODES, Bf16Weights, activation_dtype, cast_parameters,
                                       fuse_linear_grads, resolve_precision)
 from hetpipe.devices.group_precision import check_local_fp8, fp8_format, group_precision
-from hetpipe.memory_peak import memory_snapshot_step
-from hetpipe.profiling import profile_step
+from hetpipe.observe.memory_peak import memory_snapshot_step
+from hetpipe.observe.profiling import profile_step
 from hetpipe.pipeline.registry import schedule_spec
 from hetpipe.pipeline.schedules import build_schedule
-from hetpipe.topology import Topology, check_group_vendor
+from hetpipe.training.topology import Topology, check_group_vendor
 
 
 def lr_at(step: int, opt: OptimizerConfig, train_iters: int) -> float:

@@ -63,7 +63,7 @@ _foreach_copy_``                                       per tensor (gradient norm
                                                        wrote ``.grad`` outside autograd.
 ``torch.cuda.memory._record_memory_history /           the caching allocator's history of one
 _snapshot``                                            step (``train.memory_snapshot_step``,
-                                                       hetpipe/memory_peak.py): torch's only way
+                                                       hetpipe/observe/memory_peak.py): torch's only way
                                                        to say what holds device memory at a
                                                        peak; pytorch.org/memory_viz reads it.
 ``torch._dynamo.utils.counters``                       the compiled-graph count bench_layer

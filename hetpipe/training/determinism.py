@@ -68,7 +68,7 @@ import torch
 from hetpipe.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hetpipe.topology import Topology
+    from hetpipe.training.topology import Topology
 
 CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 # The two settings torch accepts as deterministic (it refuses a GEMM under the flag otherwise).

@@ -1,5 +1,5 @@
 """``--help``'s config: the composed config as YAML, each field followed by its
-one-line description from the config dataclasses (hetpipe.field_docs).
+one-line description from the config dataclasses (hetpipe.schema.field_docs).
 
 Hydra prints ``--help`` from the template in ``hydra.help.template``
 (configs/pretrain.yaml, configs/plan.yaml); the template names the resolver
@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from hetpipe.field_docs import field_docs
+from hetpipe.schema.field_docs import field_docs
 
 RESOLVER = "hetpipe.config_help"
 # Descriptions start at this column where the key and value leave room.

@@ -4,11 +4,11 @@ A CPU rank's "device" is host RAM, which every CPU rank of the host and
 everything else running there draw on. So the ranks a launcher starts on
 CPUs (groups on ``CPU``, or ``device_type: auto`` on a machine without a GPU)
 are checked together: the sum of their stages' predicted peaks
-(:mod:`hetpipe.memory_fit`'s prediction, fp32 on CPUs) against what the
+(:mod:`hetpipe.training.memory_fit`'s prediction, fp32 on CPUs) against what the
 host has available now (/proc/meminfo's MemAvailable), with the same
 allocator margin as a GPU. A group given an emulated capacity
 (``planner.memory_gib.<group>``) is checked against that instead, by
-:func:`hetpipe.memory_fit.check_local_fit`. A plan that does not fit is one
+:func:`hetpipe.training.memory_fit.check_local_fit`. A plan that does not fit is one
 line with both figures and what would fit - less recomputed memory, bf16-pure,
 a smaller preset, each predicted the same way - before any rank allocates
 weights (``python -m hetpipe.pretrain +model=llama8b`` on a 24 GiB machine
@@ -27,7 +27,7 @@ import torch
 
 from hetpipe.devices.facts import host_memory_gib
 from hetpipe.errors import ConfigError
-from hetpipe.memory_fit import ALLOCATOR_MARGIN, declared_capacity, fits, predict, predicted_of
+from hetpipe.training.memory_fit import ALLOCATOR_MARGIN, declared_capacity, fits, predict, predicted_of
 from hetpipe.models.model_config import model_preset, preset_names
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import build_plan, with_recompute

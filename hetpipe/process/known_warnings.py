@@ -7,7 +7,7 @@ and where the choice matters to the user hetpipe says so in its own line:
 
 * "unbatched P2P op ... serialized with all other ops on this ProcessGroup":
   every NCCL boundary direction has a process group of its own
-  (:meth:`hetpipe.topology.Topology.init_process_groups`), so nothing else is
+  (:meth:`hetpipe.training.topology.Topology.init_process_groups`), so nothing else is
   serialized behind its sends; torch's own switch turns it off
   (``TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING``, set only where the
   user has not set it).
@@ -21,7 +21,7 @@ and where the choice matters to the user hetpipe says so in its own line:
   run's banner line says how many SMs the GEMMs leave to them.
 * "backend_options._timeout was specified, but timeout kwarg has a default
   value": not silenced but avoided; capped boundary communicators now carry
-  the group's timeout in their options (:func:`hetpipe.torch_compat.nccl_group_options`).
+  the group's timeout in their options (:func:`hetpipe.process.torch_compat.nccl_group_options`).
 """
 from __future__ import annotations
 

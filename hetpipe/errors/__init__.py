@@ -47,7 +47,7 @@ class DataError(HetpipeError):
 
 
 class OutOfDeviceMemory(HetpipeError):
-    """A rank's device ran out of memory (torch's OutOfMemoryError, in one line: hetpipe.memory_fit)."""
+    """A rank's device ran out of memory (torch's OutOfMemoryError, in one line: hetpipe.training.memory_fit)."""
 
     exit_status = EXIT_OUT_OF_MEMORY
 
@@ -85,14 +85,14 @@ def run_hydra_cli(main: Callable[[], None]) -> None:
     exist - is one line and exit 2 like any bad input, instead of hydra's
     multi-line report and exit 1, with the closest name where one was misspelt.
     Flags hydra does not take (Megatron-LM's and torchtitan's, typos) are answered
-    in one line before hydra parses them (hetpipe.foreign_flags).
+    in one line before hydra parses them (hetpipe.errors.foreign_flags).
     ``HYDRA_FULL_ERROR=1`` keeps hydra's own report."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return
     from hydra.errors import HydraException
 
-    from hetpipe.foreign_flags import foreign_flags_line
+    from hetpipe.errors.foreign_flags import foreign_flags_line
 
     line = foreign_flags_line(sys.argv[1:])
     if line is not None:
@@ -128,7 +128,7 @@ def hydra_error_line(exc: Exception) -> str:
 
 def _key_hint(cause: BaseException, first_line: str) -> str:
     """" (did you mean train.train_iters?)" for a key the schema (a dataclass) lacks."""
-    from hetpipe.suggest import did_you_mean
+    from hetpipe.errors.suggest import did_you_mean
 
     key, schema = getattr(cause, "key", None), getattr(cause, "object_type", None)
     if not isinstance(key, str) or not dataclasses.is_dataclass(schema) or "not in" not in str(cause):
@@ -140,7 +140,7 @@ def _key_hint(cause: BaseException, first_line: str) -> str:
 
 def _option_hint(first_line: str, options: list[str]) -> str:
     """" (did you mean +model=llama8b?)" for an option of a group that does not exist."""
-    from hetpipe.suggest import did_you_mean
+    from hetpipe.errors.suggest import did_you_mean
 
     wanted = first_line.split("'")[-2] if first_line.count("'") >= 2 else ""
     group, _, option = wanted.rpartition("/")

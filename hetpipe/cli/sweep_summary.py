@@ -5,8 +5,8 @@ fastest, so each job is a row: its overrides, its plan (split, schedule,
 TP x DP, from the ``plan.yaml`` the job wrote), median tokens/s, median
 TFLOP/s per GPU (GPU runs only: metrics.py leaves it out on a CPU), peak
 memory (the largest ``memory_rank<r>.json`` of a GPU run), final loss and
-exit status (hetpipe/sweep_jobs.py). A job that failed is a row with its
-status. The plots come from hetpipe/sweep_plot.py.
+exit status (hetpipe/cli/sweep_jobs.py). A job that failed is a row with its
+status. The plots come from hetpipe/cli/sweep_plot.py.
 
 Written at the end of every ``python -m hetpipe.pretrain -m`` (the hydra
 callback :class:`SweepSummaryCallback`, configs/pretrain.yaml) and on demand
@@ -26,7 +26,7 @@ import yaml
 from hydra.experimental.callback import Callback
 
 from hetpipe.errors import HetpipeError
-from hetpipe.sweep_jobs import SweepJob, override_labels, sweep_jobs
+from hetpipe.cli.sweep_jobs import SweepJob, override_labels, sweep_jobs
 
 COLUMNS = ("job", "overrides", "split", "schedule", "TP x DP", "tokens/s", "TFLOP/s/GPU",
            "peak memory GiB", "final loss", "exit status")
@@ -141,7 +141,7 @@ def csv_table(rows: list[SweepRow]) -> str:
 
 def write_summary(sweep_dir: Path) -> list[Path]:
     """Write sweep.md, sweep.csv and (with matplotlib) the plots; returns what was written."""
-    from hetpipe.sweep_plot import plot_loss, plot_throughput
+    from hetpipe.cli.sweep_plot import plot_loss, plot_throughput
 
     rows = sweep_rows(sweep_dir)
     written = [sweep_dir / "sweep.md", sweep_dir / "sweep.csv"]

@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.comm.factory import build_rank_channels
 from hetpipe.comm.nics import Nic, check_dialable, resolve_local_nics, selection_setting, socket_ifname
 from hetpipe.comm.stage_link import StageLink
@@ -38,18 +38,12 @@ from hetpipe.devices.facts import DeviceFacts, check_devices, device_facts, devi
 from hetpipe.errors import ConfigError
 from hetpipe.launch.job_secret import require_job_secret
 from hetpipe.launch.job_watch import JobWatch, namespace
-from hetpipe.launch.nodes import NodeMap, roll_call
+from hetpipe.launch.nodes import NodeMap, launched_multi_node, roll_call
 from hetpipe.devices.catalog import DeviceSpec
 from hetpipe.partitioner.plan_data import Plan
-from hetpipe.known_warnings import SM_CARVEOUT, native_lines_hidden
-from hetpipe.torch_compat import NCCL_DEFAULT_TIMEOUT, nccl_group_options, set_gemm_sm_carveout
-
-
-def launched_multi_node(cluster: ClusterConfig) -> bool:
-    """The job spans more than one node: the cluster config says so, or the launcher
-    started more than one (launch_cluster.sh's HETPIPE_NNODES, torchrun's GROUP_WORLD_SIZE)."""
-    counts = (os.environ.get(name, "").strip() for name in ("HETPIPE_NNODES", "GROUP_WORLD_SIZE"))
-    return not cluster.single_node or any(c.isdigit() and int(c) > 1 for c in counts)
+from hetpipe.pipeline.transports import transport
+from hetpipe.process.known_warnings import SM_CARVEOUT, native_lines_hidden
+from hetpipe.process.torch_compat import NCCL_DEFAULT_TIMEOUT, nccl_group_options, set_gemm_sm_carveout
 
 
 def point_socket_interfaces(nics: list[Nic]) -> str:
@@ -339,9 +333,10 @@ class Topology:
         environment or an owner-only file (:mod:`hetpipe.launch.job_secret`), never through the
         store, which anyone who reaches it can read and rewrite. Asked on every rank, so a
         job that needs one and has none stops on every rank with the same line; '' for a
-        job whose boundaries need no handshake (all same-vendor, or the gloo transport)."""
+        job whose boundaries need no handshake (all same-vendor, or a transport whose entry
+        needs no secret: hetpipe/pipeline/transports.py)."""
         crosses = any(self.is_cross_vendor(*d) for a, b in self._stage_pairs() for d in self.routes(a, b))
-        if not crosses or self.cluster.transport.kind == "gloo":
+        if not crosses or not transport(self.cluster.transport.kind).needs_job_secret:
             return ""
         return require_job_secret(os.environ)
 
