@@ -47,3 +47,15 @@ def test_different_cp_degrees_across_the_vendor_line_are_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hetpipe: error:")]
     assert len(errors) == 1 and "same CP degree" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_cp2_checkpoint_resumes_under_cp1(tmp_path, corpus_prefix):
+    """Checkpoints stay CP-neutral: every CP rank holds whole parameters, so a
+    CP2 save is the same files as a CP1 one, and CP1 resumes it where CP1 would be."""
+    ckpt = tmp_path / "ckpt"
+    reference = _train(tmp_path, "reference", corpus_prefix, "train.train_iters=4")
+    _train(tmp_path, "cp2", corpus_prefix, *TWO_PER_GROUP, "partition.cp=2", "train.train_iters=2",
+           f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2")
+    resumed = _train(tmp_path, "cp1", corpus_prefix, "train.train_iters=4", f"checkpoint.save_dir={ckpt}",
+                     "checkpoint.resume=latest")
+    assert resumed[-2:] == pytest.approx(reference[-2:], rel=1e-5)
