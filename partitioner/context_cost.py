@@ -25,10 +25,14 @@ activations fit beside the weights.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from hetpipe.models.families import spec_of
 from hetpipe.models.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from hetpipe.partitioner.cost import UnitCosts
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,66 @@ def smallest_fitting_cp(model: ModelConfig, b: int, s: int, group_ranks: int, la
         if static_bytes + layers_per_rank * kept.activation_bytes <= capacity_bytes:
             return cp
     return 0
+
+
+# -- a CP rank's unit costs (what the solver prices: hetpipe.partitioner.cost_context) ------------
+
+@dataclass(frozen=True)
+class CpShape:
+    """What a CP rank's extra costs depend on: the whole sequence, the degree and
+    the method, the analytic compute rate and the CP group's link."""
+    seq_length: int
+    cp: int
+    method: str
+    rate_flops: float  # dense peak x efficiency
+    link_gbs: float
+    latency_us: float
+
+
+def context_unit_costs(rank: "UnitCosts", model: ModelConfig, b: int, tp: int, recompute: str,
+                       element_bytes: int, shape: CpShape) -> "UnitCosts":
+    """A CP rank's unit costs from ``rank``, the costs of its ``s / C`` tokens
+    priced as a whole sequence: the layers add the attention their queries pay
+    for the other ranks' keys, the K/V exchange (blocking) and its memory."""
+    s, c = shape.seq_length, shape.cp
+    layers = slice(1, model.num_layers + 1)
+    extra = _missing_attention_s(model, b, s, c, tp, shape.rate_flops)
+    reruns = {"full": 1.0, "selective": 1.0}.get(recompute, 0.0)
+    fwd, bwd, comm = rank.forward_s.copy(), rank.backward_s.copy(), rank.tp_comm_s.copy()
+    fwd[layers] += extra
+    bwd[layers] += (2.0 + reruns) * extra
+    exchange = cp_layer_cost(model, b, s, c, shape.method, 0.0, element_bytes, shape.link_gbs, shape.latency_us)
+    comm[layers] += exchange.comm_s * (2.0 if recompute == "full" else 1.0) / tp
+    act, transient = rank.activation_bytes.copy(), rank.transient_bytes.copy()
+    kept, working = _exchange_bytes(model, b, s, c, tp, shape.method, element_bytes)
+    act[layers] += kept if recompute != "full" else 0.0
+    transient[layers] += working + (kept if recompute == "full" else 0.0)
+    flops = rank.flops.copy()
+    flops[layers] += 3.0 * extra * shape.rate_flops
+    return replace(rank, forward_s=fwd, backward_s=bwd, tp_comm_s=comm, flops=flops,
+                   activation_bytes=act, transient_bytes=transient)
+
+
+def _missing_attention_s(model: ModelConfig, b: int, s: int, c: int, tp: int, rate: float) -> float:
+    """Forward seconds of the attention a rank's ``s / C`` queries pay beyond
+    a sequence of ``s / C`` tokens: its share of the whole is ``1 / C`` of
+    ``4 b s^2 a d`` (load-balanced chunks), the short sequence's ``1 / C^2``."""
+    whole = 4.0 * b * s * s * model.num_attention_heads * model.head_dim / tp
+    return whole * (1.0 / c - 1.0 / (c * c)) / rate
+
+
+def _exchange_bytes(model: ModelConfig, b: int, s: int, c: int, tp: int, method: str,
+                    element_bytes: int) -> tuple[float, float]:
+    """(kept for the backward, working) bytes per layer of the K/V exchange.
+
+    allgather: SDPA keeps the gathered K and V of the whole sequence (the
+    rank's own share is already in the layer's activations); while it runs
+    the gathered copy and its reordering both exist, and the backward's K/V
+    gradients of the whole sequence. ring: the fp32 output and log-sum-exp
+    are kept; the fp32 blocks of scores, probabilities and their gradient
+    (``b x heads x (s/C)^2`` each) are working memory."""
+    whole_kv = kv_bytes(model, b, s, element_bytes) / tp
+    if method == "allgather":
+        return whole_kv * (c - 1) / c, 2.0 * whole_kv
+    heads, local = model.num_attention_heads / tp, s / c
+    return b * heads * local * (4.0 * model.head_dim + 4.0), 3.0 * 4.0 * b * heads * local * local
