@@ -420,6 +420,9 @@ class PartitionConfig:
                               "must be positive")
         if self.cp < 1 or (self.cp_per_group is not None and min(self.cp_per_group, default=0) < 1):
             raise ConfigError(f"partition.cp={self.cp} and cp_per_group={self.cp_per_group} must be positive")
+        if self.sequence_parallel and max(self.cp_per_group or [self.cp]) > 1:
+            raise ConfigError("partition.sequence_parallel=true with partition.cp > 1 is not supported: "
+                              "CP already splits the sequence; set partition.sequence_parallel=false")
         if self.cp_method not in ("allgather", "ring"):
             raise ConfigError(f"partition.cp_method={self.cp_method!r} must be allgather or ring")
         if self.recv_ahead is not None and self.recv_ahead < 1:

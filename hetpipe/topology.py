@@ -211,7 +211,7 @@ class Topology:
         for st in self.stages:
             vendor = self.cluster.group_of(st.ranks[0])[1]
             if st.tp > 1:
-                for d in range(st.dp):
+                for d in range(st.dp * st.cp):  # one TP group per (DP, CP) replica
                     ranks = st.ranks[d * st.tp:(d + 1) * st.tp]
                     group = self._new_group(ranks, vendor)
                     if self.rank in ranks:

@@ -21,8 +21,8 @@ def use_context_parallel(model: nn.Module, shard: Optional[ContextShard]) -> Non
     """Make every chunk and attention module of ``model`` run on ``shard``'s
     part of each sequence (None, or one rank: the whole sequence)."""
     shard = shard if shard is not None and shard.size > 1 else None
-    for module in model.modules():  # CausalLM and Attention declare the slot (no import of the former: a loop)
-        if "context" in vars(type(module)) or isinstance(module, Attention):
+    for module in model.modules():  # CausalLM, Attention and their TP subclasses declare the slot
+        if isinstance(module, Attention) or any("context" in vars(c) for c in type(module).__mro__):
             module.context = shard
 
 

@@ -136,7 +136,10 @@ def resolve_plan(cfg: PlanRequest) -> Plan:
         raise ConfigError(f"plan={cfg.plan} brings its own recomputation per stage; leave train.recompute and "
                           "train.recompute_num_layers null (planner.recompute constrains the planner's choice)")
     elif cfg.plan == "auto":
-        plan = plan_for(cfg.model, cfg.cluster, cfg.train, cfg.planner, cp_method=cfg.partition.cp_method)
+        # Sequence parallelism and CP both split the sequence: the runtime runs one of them.
+        planner = dataclasses.replace(cfg.planner, cp=1) if getattr(cfg.partition, "sequence_parallel", False) \
+            else cfg.planner
+        plan = plan_for(cfg.model, cfg.cluster, cfg.train, planner, cp_method=cfg.partition.cp_method)
     else:
         plan = Plan.load(cfg.plan)
     plan.check_model(cfg.model.num_layers)

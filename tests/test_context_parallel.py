@@ -175,3 +175,20 @@ def test_lse_merge_is_exact():
     merged, merged_lse = merge(*a, *b)
     torch.testing.assert_close(merged, whole)
     torch.testing.assert_close(merged_lse, lse)
+
+
+def test_a_cp_slice_with_no_counted_tokens_adds_zero_not_nan():
+    """EOD masking can leave a CP rank's slice without a counted label; its
+    term is 0 (the microbatch's loss is the other slices' sum over the whole
+    count) and its gradients finite."""
+    from hetpipe.models.context_hooks import context_loss
+    from hetpipe.models.loss import IGNORE_INDEX
+    model = _model(False)
+    labels = torch.randint(0, CFG["vocab_size"], (2, 8))
+    shard = ContextShard(2, 0)
+    labels[:, shard.indices(8)] = IGNORE_INDEX
+    hidden = torch.randn(2, 4, CFG["hidden_size"], requires_grad=True)
+    loss = context_loss(model.head, hidden, labels, shard)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(hidden.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.head.parameters() if p.grad is not None)

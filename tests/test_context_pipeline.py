@@ -59,3 +59,35 @@ def test_a_cp2_checkpoint_resumes_under_cp1(tmp_path, corpus_prefix):
     resumed = _train(tmp_path, "cp1", corpus_prefix, "train.train_iters=4", f"checkpoint.save_dir={ckpt}",
                      "checkpoint.resume=latest")
     assert resumed[-2:] == pytest.approx(reference[-2:], rel=1e-5)
+
+
+# -- composition: CP with TP, with a zero-bubble schedule, with EOD-masked losses -----------------
+
+HOMOGENEOUS = ["cluster=cpu_homogeneous", "cluster.groups.0.ranks_per_node=4"]
+
+
+def _train_on(tmp_path, name, corpus_prefix, cluster, *overrides):
+    return _train(tmp_path, name, corpus_prefix, *cluster, *overrides)
+
+
+def test_cp2_with_tp2_trains_as_tp2(tmp_path, corpus_prefix):
+    """One stage of TP2 x CP2 (TP fastest, then CP) against one of TP2."""
+    tp2 = _train_on(tmp_path, "tp2", corpus_prefix, ["cluster=cpu_homogeneous"], "partition.tp=2")
+    both = _train_on(tmp_path, "tp2cp2", corpus_prefix, HOMOGENEOUS, "partition.tp=2", "partition.cp=2")
+    assert both == pytest.approx(tp2, rel=1e-5)
+
+
+def test_cp2_under_zb_h1_trains_as_cp1(tmp_path, corpus_prefix):
+    """zb_h1 defers each layer's weight gradients (W) past its input gradients
+    (B); the K/V exchange's gradients flow in B, so CP2 keeps CP1's losses."""
+    cp1 = _train_on(tmp_path, "cp1", corpus_prefix, ["cluster=cpu_homogeneous"], "partition.schedule=zb_h1")
+    cp2 = _train_on(tmp_path, "cp2", corpus_prefix, HOMOGENEOUS, "partition.schedule=zb_h1", "partition.cp=2")
+    assert cp2 == pytest.approx(cp1, rel=1e-5)
+
+
+def test_cp2_with_eod_mask_loss_trains_as_cp1(tmp_path, corpus_prefix):
+    """EOD-masked labels count unevenly over the CP slices; each rank weighs
+    its mean by its share of the microbatch's counted tokens."""
+    cp1 = _train(tmp_path, "cp1", corpus_prefix, "data.eod_mask_loss=true")
+    cp2 = _train(tmp_path, "cp2", corpus_prefix, *TWO_PER_GROUP, "partition.cp=2", "data.eod_mask_loss=true")
+    assert cp2 == pytest.approx(cp1, rel=1e-5)

@@ -128,3 +128,12 @@ def test_a_long_sequence_refused_whole_fits_split_over_cp():
     assert check_stage(split, _cfg(4), 0, 0, H200) is None
     gib = [p.notes["predicted_memory_gib"][0] for p in (whole, split, ring)]
     assert gib[1] < gib[0] / 1.5 and gib[1] != gib[2]
+
+
+def test_sequence_parallel_with_cp_is_one_line_and_plan_auto_keeps_cp1_under_it():
+    from hetpipe.pretrain_config import PartitionConfig
+    with pytest.raises(ConfigError, match="sequence_parallel=true with partition.cp > 1"):
+        PartitionConfig(cp=2, sequence_parallel=True)
+    cfg = _cfg(1)
+    cfg.plan, cfg.train.recompute, cfg.partition.sequence_parallel = "auto", None, True
+    assert {s.cp for s in resolve_plan(cfg).stages} == {1}
