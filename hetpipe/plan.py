@@ -172,7 +172,8 @@ def format_solution(s: Solution) -> str:
                             for n, (a, b) in zip(st.chunk_layers, st.chunk_units))
         recompute = st.recompute if st.recompute_num_layers is None else \
             f"{st.recompute} {st.recompute_num_layers}/{st.layers}"
-        rows.append((str(st.index), st.group, st.device_type, _ranks(st.ranks), f"{st.tp}x{st.dp}",
+        rows.append((str(st.index), st.group, st.device_type, _ranks(st.ranks),
+                     f"{st.tp}x{st.dp}" + (f" CP{st.cp}" if st.cp > 1 else ""),
                      layers, recompute, f"{st.compute_s:.3f}s", f"{st.comm_s:.3f}s", f"{st.p2p_s:.3f}s",
                      f"{st.bubble_s:.3f}s", f"{st.memory_gib:.1f}/{st.usable_gib:.1f} GiB",
                      f"{st.tflops_per_gpu:.1f}"))

@@ -220,6 +220,9 @@ class Attention(nn.Module):
     kernel: Kernel = SdpaKernel()
     # Set per instance by hetpipe.models.recompute.set_recompute (train.recompute=selective).
     recompute_core = False
+    # Set per instance by hetpipe.models.context_hooks.use_context_parallel: this
+    # rank's share of the sequence (None: the whole sequence is here).
+    context = None
 
     @property
     def sdpa_backends(self) -> Optional[tuple]:
@@ -228,10 +231,17 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 docs: Optional[Documents]) -> torch.Tensor:
+        core = self.kernel if self.context is None else self._context_core
         if self.recompute_core:
             # The attention core reruns in the backward from the q, k, v it keeps.
-            return checkpoint(self.kernel, q, k, v, docs, use_reentrant=False)
-        return self.kernel(q, k, v, docs)
+            return checkpoint(core, q, k, v, docs, use_reentrant=False)
+        return core(q, k, v, docs)
+
+    def _context_core(self, q, k, v, docs: Optional[Documents]) -> torch.Tensor:
+        """Attention across the CP group (hetpipe.parallel.context); ``docs`` are the whole sequence's."""
+        from hetpipe.parallel.context import context_attention
+        segments = docs.segments if docs is not None else None
+        return context_attention(q, k, v, self.context, segments, self.sdpa_backends)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -169,6 +169,8 @@ class TensorParallelCausalLM(CausalLM):
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         tp = self.tp
+        if self.context is not None:  # CP: this rank's share of the sequence (sequence parallel refused)
+            return self._forward_context(inputs, labels, tokens)
         seq_length = inputs.shape[1]
         if tp.sequence_parallel and seq_length % tp.size:
             raise ConfigError(f"sequence length {seq_length} is not divisible by the tensor-parallel size "

@@ -101,6 +101,9 @@ class CausalLM(nn.Module):
 
     # Set per instance by set_document_masking(); None: every row is one causal sequence.
     document_rule: Optional[DocumentRule] = None
+    # Set per instance by hetpipe.models.context_hooks.use_context_parallel: this
+    # rank's share of each sequence (hetpipe.parallel.context); None: all of it.
+    context = None
 
     def __init__(self, cfg: ModelConfig, units: Optional[tuple[int, int]] = None) -> None:
         super().__init__()
@@ -140,6 +143,8 @@ class CausalLM(nn.Module):
         masking reads its documents from (best on the CPU; the first slice's
         inputs serve when they are not given).
         """
+        if self.context is not None:
+            return self._forward_context(inputs, labels, tokens)
         x = self.embedding(inputs) if self.embedding is not None else inputs
         if self.layers:
             cos, sin, docs = self.rope_and_documents(x, inputs, tokens)
@@ -148,6 +153,26 @@ class CausalLM(nn.Module):
         if self.head is None:
             return x
         return self.head(x, labels) if labels is not None else self.head.logits(x)
+
+    def _forward_context(self, inputs: torch.Tensor, labels: Optional[torch.Tensor],
+                         tokens: Optional[torch.Tensor]) -> torch.Tensor:
+        """forward on this CP rank's share of the sequence: the engine hands every
+        rank the whole microbatch's tokens and labels, the boundary its share of
+        the hidden states (hetpipe.models.context_hooks)."""
+        from hetpipe.models.context_hooks import context_loss
+        shard = self.context
+        tokens = tokens if tokens is not None else (inputs if self.embedding is not None else None)
+        if tokens is None:
+            raise ValueError("context parallelism: a chunk without the embedding needs the microbatch's tokens")
+        x = self.embedding(shard.shard(inputs)) if self.embedding is not None else inputs
+        if self.layers:
+            cos, sin, docs = self.rope_and_documents(x, tokens, tokens)
+            cos, sin = shard.shard(cos, cos.dim() - 2), shard.shard(sin, sin.dim() - 2)
+            for layer in self.layers.values():
+                x = layer(x, cos, sin, docs)
+        if self.head is None:
+            return x
+        return context_loss(self.head, x, labels, shard) if labels is not None else self.head.logits(x)
 
     def rope_and_documents(self, x: torch.Tensor, inputs: torch.Tensor, tokens: Optional[torch.Tensor]):
         """The RoPE tables and the documents (None without masking) of one microbatch."""

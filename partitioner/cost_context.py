@@ -33,6 +33,7 @@ from hetpipe.devices.group_precision import fp8_format, group_precision
 from hetpipe.models.model_config import ModelConfig
 from hetpipe.models.train_modes import RECOMPUTE_MODES
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.context_cost as context_cost
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.devices.catalog import DeviceSpec, catalog_with, device_spec
@@ -143,8 +144,12 @@ class CostContext:
     """Everything fixed for one planning problem, with caches of the per-group costs."""
 
     def __init__(self, model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
-                 planner: PlannerConfig) -> None:
+                 planner: PlannerConfig, cp: int = 1, cp_method: str = "allgather") -> None:
         self.model, self.cluster, self.train, self.planner = model, cluster, train, planner
+        # Context parallelism: every stage's sequences split over cp ranks
+        # (partitioner/context_cost.py); a rank's units are priced at its tokens.
+        self.cp, self.cp_method = cp, cp_method
+        self.rank_seq_length = train.seq_length // cp
         self.catalog = catalog_with(dict(planner.catalog or {}))
         self.groups: list[GroupConfig] = list(cluster.groups)
         self.names = [g.name for g in self.groups]
@@ -198,24 +203,34 @@ class CostContext:
         key = (g, tp, mbs, recompute, alone)
         if key not in self._units:
             entry, scaled = self._profile_entry(g, mbs)
-            shape = cost.StageShape(tp, mbs, self.train.seq_length, recompute)
+            shape = cost.StageShape(tp, mbs, self.rank_seq_length, recompute)
             shares = alone and self.model.share_embeddings_and_output_weights
-            self._units[key] = cost.unit_costs(self.model, self.specs[g], shape, self.precisions[g], self.net,
-                                               self.planner.efficiency, entry, head_shares_embedding=shares,
-                                               profile_is_bf16=scaled)
+            units = cost.unit_costs(self.model, self.specs[g], shape, self.precisions[g], self.net,
+                                    self.planner.efficiency, entry, head_shares_embedding=shares,
+                                    profile_is_bf16=scaled)
+            self._units[key] = units if self.cp == 1 else self._context_units(g, tp, mbs, recompute, units)
         return self._units[key]
+
+    def _context_units(self, g: int, tp: int, mbs: int, recompute: str, units: cost.UnitCosts) -> cost.UnitCosts:
+        """A CP rank's costs from those of its tokens (context_cost.context_unit_costs)."""
+        spec = self.specs[g]
+        rate = spec.peak_bf16_tflops * 1e12 * (self.planner.efficiency or spec.efficiency)
+        gbs, latency = self._group_link(g, tp * self.cp)
+        shape = context_cost.CpShape(self.train.seq_length, self.cp, self.cp_method, rate, gbs, latency)
+        return context_cost.context_unit_costs(units, self.model, mbs, tp, recompute,
+                                               self.precisions[g].matmul_bytes, shape)
 
     def _profile_entry(self, g: int, mbs: int) -> tuple[Optional[dict], bool]:
         """Group ``g``'s measured entry, and whether it is a bf16 one standing in for
         fp8 (no fp8 entry; either elementwise setting, since compiled layers fuse too)."""
         prec = self.precisions[g]
         found = find_entry(self.profiles, self.device_types[g],
-                           profile_shape(self.model, self.train.seq_length, prec.name, prec.fused_elementwise), mbs)
+                           profile_shape(self.model, self.rank_seq_length, prec.name, prec.fused_elementwise), mbs)
         if found is not None or not prec.fp8:
             return found, False
         for fused in (prec.fused_elementwise, not prec.fused_elementwise):
             found = find_entry(self.profiles, self.device_types[g],
-                               profile_shape(self.model, self.train.seq_length, "bf16", fused), mbs)
+                               profile_shape(self.model, self.rank_seq_length, "bf16", fused), mbs)
             if found is not None:
                 return found, True
         return None, False
@@ -228,9 +243,10 @@ class CostContext:
         time = _range_sums(uc.time_s)
         time[~np.triu(np.ones_like(time, dtype=bool), 1)] = INF
         params = _range_sums(uc.params)
-        static = params * self.precisions[g].static_bytes_per_param(dp, self.planner.distributed_optimizer) \
+        # The gradient group, and ZeRO-1's shards, are DP x CP (the CP ranks hold the same parameters).
+        static = params * self.precisions[g].static_bytes_per_param(dp * self.cp, self.planner.distributed_optimizer) \
             + 2 * cost.RECV_AHEAD * uc.boundary_bytes
-        sync = self.grad_sync_s(g, tp, dp, params)
+        sync = self.grad_sync_s(g, tp, dp * self.cp, params)
         capacity = self.memory_gib(g) * cost.GIB * self.planner.memory_headroom
         weight = _range_sums(schedule_model.weight_backward_s(self.model, mbs, self.train.seq_length,
                                                               uc.forward_s, uc.backward_s))
@@ -324,9 +340,14 @@ class CostContext:
 
     def dp_link(self, g: int, tp: int, dp: int) -> tuple[float, float]:
         """(GB/s per direction, latency) of the ring a stage's DP all-reduce runs on."""
+        return self._group_link(g, tp * dp)
+
+    def _group_link(self, g: int, span: int) -> tuple[float, float]:
+        """(GB/s per direction, latency) of a collective over ranks of group ``g``
+        spread over ``span`` consecutive ranks: the fabric within a node, else the NICs."""
         spec, rpn = self.specs[g], self.groups[g].ranks_per_node
         fabric = spec.intra_node_link_gbs / 2
-        if tp * dp <= rpn and rpn % (tp * dp) == 0:
+        if span <= rpn and rpn % span == 0:
             return fabric, self.net.intra_node_latency_us
         return min(fabric, cost.nic_share_gbs(self.net, rpn)), self.net.latency_us
 
@@ -346,7 +367,7 @@ class CostContext:
         mbs = cand.micro_batch_size
         ua = self.unit_costs(ga, cand.tp[ga], mbs, "none", False)
         ub = self.unit_costs(gb, cand.tp[gb], mbs, "none", False)
-        na, nb = cand.tp[ga] * cand.dp, cand.tp[gb] * cand.dp
+        na, nb = cand.tp[ga] * cand.dp * self.cp, cand.tp[gb] * cand.dp * self.cp
         rpn_a, rpn_b = self.groups[ga].ranks_per_node, self.groups[gb].ranks_per_node
         if ga == gb:
             offsets = np.arange(na) + ja * na
@@ -367,7 +388,7 @@ class CostContext:
         first, last = cand.order[0], cand.order[-1]
         nbytes = self.model.vocab_size * self.model.hidden_size * cost.GRAD_BYTES / cand.tp[first]
         return 2 * cost.message_s(nbytes, "cpu_forwarding", self.specs[first], self.specs[last], self.net,
-                                  min(self.groups[first].ranks_per_node, cand.tp[first] * cand.dp), 1)
+                                  min(self.groups[first].ranks_per_node, cand.tp[first] * cand.dp * self.cp), 1)
 
     # -- one candidate -------------------------------------------------------------------
     def problem(self, cand: Candidate, schedule: str = DEFAULT_SCHEDULE) -> SplitProblem:

@@ -45,6 +45,9 @@ class PartitionRequest(Protocol):
     tp: int
     tp_per_group: Optional[List[int]]
     dp: int
+    # Context parallelism (partition.cp, cp_per_group); read with getattr, default 1.
+    cp: int
+    cp_per_group: Optional[List[int]]
 
 
 class PlanRequest(Protocol):

@@ -28,7 +28,7 @@ from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec
 class StagePlan:
     # The vendor group this stage runs in.
     group: str
-    # Global ranks of the stage: TP x DP of them, index d * tp + t.
+    # Global ranks of the stage: TP x CP x DP of them, index (d * cp + c) * tp + t.
     ranks: List[int]
     # Decoder layers this (virtual) stage holds.
     layers: int
@@ -39,6 +39,8 @@ class StagePlan:
     # layers (None: all of them).
     recompute: str = "none"
     recompute_num_layers: Optional[int] = None
+    # Context-parallel degree: each sequence split over cp ranks (hetpipe.parallel.context).
+    cp: int = 1
 
 
 @dataclass

@@ -29,14 +29,17 @@ from hetpipe.partitioner.planner_config import PlannerConfig
 
 
 def predicted_memory_gib(plan: Plan, model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
-                         planner: Optional[PlannerConfig] = None) -> Optional[list[float]]:
+                         planner: Optional[PlannerConfig] = None, cp_method: str = "allgather"
+                         ) -> Optional[list[float]]:
     """Predicted peak GiB per device of each pipeline rank (stage) of ``plan``, or None
     where the cost model cannot price it: a schedule it does not model
     (interleaved_1f1b), or a device it cannot resolve (``device_type=auto`` on
-    a device outside the catalog) - the plan may still run, it is just not predicted."""
+    a device outside the catalog) - the plan may still run, it is just not predicted.
+    Under context parallelism (the stages' ``cp``) a rank holds its ``s / CP``
+    tokens' activations and ``cp_method``'s K/V buffers (partitioner/context_cost.py)."""
     if plan.schedule not in schedule_model.PLANNED_SCHEDULES:
         return None
-    ctx = _context(model, cluster, train, planner)
+    ctx = _context(model, cluster, train, planner, plan.stages[0].cp, cp_method)
     if ctx is None:
         return None
     dp = plan.stages[0].dp
@@ -59,11 +62,11 @@ def planned_capacity_gib(model: ModelConfig, cluster: ClusterConfig, train: Trai
 
 
 def _context(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
-             planner: Optional[PlannerConfig]) -> Optional[CostContext]:
+             planner: Optional[PlannerConfig], cp: int = 1, cp_method: str = "allgather") -> Optional[CostContext]:
     # planner.recompute constrains the search only; a fixed plan brings its own.
     planner = dataclasses.replace(planner or PlannerConfig(), recompute="auto")
     try:
-        return CostContext(model, cluster, train, planner)
+        return CostContext(model, cluster, train, planner, cp, cp_method)
     except ConfigError:
         return None
 

@@ -61,6 +61,10 @@ class PlannerConfig:
     tp: Optional[int] = None
     # Fix the DP degree; None searches it.
     dp: Optional[int] = None
+    # Fix the context-parallel degree of every group; None searches the
+    # divisors of the groups' ranks per node that cut train.seq_length into
+    # 2 x CP equal chunks (partitioner/context_plan.py).
+    cp: Optional[int] = None
     # Fix the pipeline stages per group, in the cluster's group order.
     stages: Optional[List[int]] = None
     # Fix the order of the groups along the pipeline (group names).
@@ -95,7 +99,7 @@ class PlannerConfig:
             value_checks.finite(f"planner.memory_gib.{group}", gib)
             if not gib > 0:
                 raise ConfigError(f"planner.memory_gib.{group}={gib} must be a positive number of GiB")
-        for name in ("tp", "dp"):
+        for name in ("tp", "dp", "cp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"planner.{name}={value} must be positive")

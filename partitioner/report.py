@@ -37,6 +37,8 @@ class StageReport:
     ranks: list[int]
     tp: int
     dp: int
+    # Context-parallel degree (ranks are TP x CP x DP: partitioner/plan_data.py).
+    cp: int
     # Decoder layers and [start, stop) model units of the stage; under zb_v the
     # rank's, over its two chunks (chunk_layers, chunk_units: virtual stages
     # r and 2P - 1 - r), and units is its first chunk's.
@@ -119,7 +121,7 @@ class Solution:
             rank, chunk = placement.location(v)
             s = self.stages[rank]
             virtual.append(StagePlan(group=s.group, ranks=list(s.ranks), layers=s.chunk_layers[chunk], tp=s.tp,
-                                     dp=s.dp, recompute=s.recompute,
+                                     dp=s.dp, cp=s.cp, recompute=s.recompute,
                                      recompute_num_layers=s.recompute_num_layers if chunks == 1 else None))
         plan = Plan(stages=virtual, schedule=self.schedule, num_chunks=chunks, notes=notes)
         plan.check_model(self.model.num_layers)
@@ -181,7 +183,7 @@ def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: st
             busy[first:first + n] = (rc.forward_s + rc.backward_s)[first:first + n]
             tp_comm[first:first + n] = rc.tp_comm_s[first:first + n]
             units[a:b], left = True, left - n
-        n = cand.tp[g] * cand.dp
+        n = cand.tp[g] * ctx.cp * cand.dp
         ranks = [ctx.starts[g] + j * n + r for r in range(n)]
         used.update(ranks)
         compute = M * float(busy[units].sum())
@@ -189,6 +191,7 @@ def build_solution(ctx: CostContext, cand: Candidate, split: Split, schedule: st
         boundary = (links[k - 1] if k > 0 else 0.0) + (links[k] if k < P - 1 else 0.0)
         stages.append(StageReport(
             index=k, group=ctx.names[g], device_type=ctx.specs[g].name, ranks=ranks, tp=cand.tp[g], dp=cand.dp,
+            cp=ctx.cp,
             layers=layers, units=ranges[0], recompute=mode if covered else "none",
             recompute_num_layers=covered if mode != "none" and covered < layers else None,
             compute_s=compute, comm_s=comm,

@@ -34,19 +34,39 @@ def group_tp_degrees(partition: PartitionRequest, cluster: ClusterConfig) -> lis
     return list(partition.tp_per_group)
 
 
+def group_cp_degree(partition: PartitionRequest, cluster: ClusterConfig) -> int:
+    """The one CP degree of every group, from ``partition.cp`` / ``partition.cp_per_group``.
+
+    A stage boundary carries CP rank i's slice of the sequence to CP rank i of
+    the next stage; the channel does not reshard a slice, so groups with
+    different degrees are refused (in one line, before any process starts)."""
+    per_group = getattr(partition, "cp_per_group", None)
+    if per_group is None:
+        return getattr(partition, "cp", 1)
+    if len(per_group) != len(cluster.groups):
+        raise ConfigError(f"partition.cp_per_group={list(per_group)} has {len(per_group)} entries but cluster "
+                          f"{cluster.name!r} has {len(cluster.groups)} groups")
+    if len(set(per_group)) > 1:
+        raise ConfigError(f"partition.cp_per_group={list(per_group)}: every vendor group must use the same CP "
+                          "degree (a stage boundary hands CP rank i's slice to CP rank i; the channel does "
+                          "not reshard the sequence)")
+    return per_group[0]
+
+
 def build_plan(partition: PartitionRequest, cluster: ClusterConfig, model: ModelConfig) -> Plan:
     """The plan from explicit overrides. Each vendor group is cut into
     ``ranks / (TP x DP)`` pipeline stages of consecutive ranks (TP fastest,
     then DP, as in Megatron's rank order), groups in cluster order; decoder
     layers per stage from ``partition.layers`` or an even split."""
     tps = group_tp_degrees(partition, cluster)
-    dp = partition.dp
+    dp, cp = partition.dp, group_cp_degree(partition, cluster)
     physical: list[tuple[str, list[int], int]] = []
     for i, g in enumerate(cluster.groups):
-        per_stage = tps[i] * dp
+        per_stage = tps[i] * cp * dp
         if g.size % per_stage:
-            raise ConfigError(f"group {g.name!r} has {g.size} ranks, not a multiple of TP{tps[i]} x DP{dp} = "
-                              f"{per_stage}; every stage of a group needs TP x DP ranks")
+            shape = f"TP{tps[i]} x CP{cp} x DP{dp}" if cp > 1 else f"TP{tps[i]} x DP{dp}"
+            raise ConfigError(f"group {g.name!r} has {g.size} ranks, not a multiple of {shape} = "
+                              f"{per_stage}; every stage of a group needs {'TP x CP x DP' if cp > 1 else 'TP x DP'} ranks")
         start = cluster.group_ranks(i)[0]
         for j in range(g.size // per_stage):
             physical.append((g.name, list(range(start + j * per_stage, start + (j + 1) * per_stage)), tps[i]))
@@ -63,7 +83,7 @@ def build_plan(partition: PartitionRequest, cluster: ClusterConfig, model: Model
     stages = []
     for v, n in enumerate(layers):
         group, ranks, tp = physical[placement.rank_of(v)]
-        stages.append(StagePlan(group=group, ranks=list(ranks), layers=n, tp=tp, dp=dp))
+        stages.append(StagePlan(group=group, ranks=list(ranks), layers=n, tp=tp, dp=dp, cp=cp))
     plan = Plan(stages=stages, schedule=partition.schedule, num_chunks=partition.num_chunks)
     plan.check_model(model.num_layers)
     return plan
@@ -91,6 +111,19 @@ def _per_stage(value: Any, default: Any, name: str, plan: Plan) -> list:
     return list(value)
 
 
+def check_context_parallel(plan: Plan, train: TrainShape) -> None:
+    """One CP degree on every stage (a boundary hands CP rank i's slice to CP
+    rank i; the channel does not reshard), dividing the sequence into 2 x CP chunks."""
+    cps = sorted({s.cp for s in plan.stages})
+    if len(cps) > 1:
+        raise ConfigError(f"plan stages use different context-parallel degrees {cps}; a stage boundary hands CP "
+                          "rank i's slice to CP rank i of the next stage and the channel does not reshard, "
+                          "so CP must be equal across stages (and vendor groups)")
+    if cps[0] > 1 and train.seq_length % (2 * cps[0]):
+        raise ConfigError(f"train.seq_length={train.seq_length} must be a multiple of 2 x CP{cps[0]} = "
+                          f"{2 * cps[0]} (each CP rank holds two equal chunks of the sequence)")
+
+
 def resolve_plan(cfg: PlanRequest) -> Plan:
     """The plan a pretrain config asks for: ``plan=auto`` (the cost-model
     planner, recomputation chosen per stage), ``plan=PATH`` (a plan.yaml), or
@@ -103,7 +136,10 @@ def resolve_plan(cfg: PlanRequest) -> Plan:
         raise ConfigError(f"plan={cfg.plan} brings its own recomputation per stage; leave train.recompute and "
                           "train.recompute_num_layers null (planner.recompute constrains the planner's choice)")
     elif cfg.plan == "auto":
-        plan = plan_for(cfg.model, cfg.cluster, cfg.train, cfg.planner)
+        # Sequence parallelism and CP both split the sequence: the runtime runs one of them.
+        planner = dataclasses.replace(cfg.planner, cp=1) if getattr(cfg.partition, "sequence_parallel", False) \
+            else cfg.planner
+        plan = plan_for(cfg.model, cfg.cluster, cfg.train, planner, cp_method=cfg.partition.cp_method)
     else:
         plan = Plan.load(cfg.plan)
     plan.check_model(cfg.model.num_layers)
@@ -118,9 +154,9 @@ def check_runnable(plan: Plan, cluster: ClusterConfig, train: TrainShape,
     seen: dict[int, int] = {}
     placement = plan.placement
     for v, stage in enumerate(plan.stages):
-        if len(stage.ranks) != stage.tp * stage.dp:
+        if len(stage.ranks) != stage.tp * stage.cp * stage.dp:
             raise ConfigError(f"plan stage {v} has {len(stage.ranks)} ranks {stage.ranks} but TP{stage.tp} x "
-                              f"DP{stage.dp} needs {stage.tp * stage.dp}")
+                              f"CP{stage.cp} x DP{stage.dp} needs {stage.tp * stage.cp * stage.dp}")
         for r in stage.ranks:
             if not 0 <= r < world:
                 raise ConfigError(f"plan stage {v} uses rank {r}, outside cluster {cluster.name!r} "
@@ -150,6 +186,7 @@ def check_runnable(plan: Plan, cluster: ClusterConfig, train: TrainShape,
         raise ConfigError(f"plan stages use different data-parallel degrees {dps}; DP must be equal across "
                           "stages (each stage is replicated DP times and every replica runs the whole pipeline)")
     dp = dps[0]
+    check_context_parallel(plan, train)
     if train.global_batch_size % (train.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
                           f"micro_batch_size={train.micro_batch_size} x DP{dp}")

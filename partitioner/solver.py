@@ -34,6 +34,7 @@ from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
+import hetpipe.partitioner.context_plan as context_plan
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
 import hetpipe.partitioner.v_split as v_split
@@ -46,7 +47,8 @@ from hetpipe.partitioner.split import INF, Split, best_split, evaluate_split, mi
 
 
 def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
-          planner: Optional[PlannerConfig] = None, layers: Optional[Sequence[int]] = None) -> Solution:
+          planner: Optional[PlannerConfig] = None, layers: Optional[Sequence[int]] = None,
+          cp: Optional[int] = None, cp_method: str = "allgather", beat: float = INF) -> Optional[Solution]:
     """The plan with the least predicted step time that fits every device's memory.
 
     ``layers`` fixes the decoder layers per (virtual) stage (e.g. ``[15, 17]``):
@@ -57,12 +59,18 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     on two groups). The solution's ``schedule_options`` hold the best plan's step
     under every schedule considered. Raises
     :class:`ConfigError` for impossible input, naming what does not fit.
+    ``cp`` prices one context-parallel degree; None searches them
+    (partitioner/context_plan.py), priced for ``cp_method``'s attention;
+    with ``beat`` only a plan faster than it is searched for (None: none is).
     """
     planner = planner or PlannerConfig()
+    if cp is None:
+        return context_plan.fastest_over_cp(lambda c, b: solve(model, cluster, train, planner, layers, c, cp_method, b),
+                                            cluster, train.seq_length, planner.cp)
     if train.seq_length > model.max_position_embeddings:
         raise ConfigError(f"train.seq_length={train.seq_length} exceeds model {model.name!r}'s "
                           f"max_position_embeddings={model.max_position_embeddings}")
-    ctx = CostContext(model, cluster, train, planner)
+    ctx = CostContext(model, cluster, train, planner, cp, cp_method)
     fixed = _fixed_bounds(model, cluster, layers)
     found: list[Solution] = []
     options: list[ScheduleOption] = []
@@ -84,15 +92,17 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             continue
         lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
         if schedule_model.is_v_shaped(schedule):
-            best, count = _search_v(schedule, ctx, blocks, fixed)
+            best, count = _search_v(schedule, ctx, blocks, fixed, beat)
         else:
-            best, count = _search(ctx, blocks, fixed, schedule)
+            best, count = _search(ctx, blocks, fixed, schedule, beat)
         solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
         if best is None:
             options.append(ScheduleOption(schedule, None))
             continue
         found.append(build_solution(ctx, *best, schedule))
         options.append(ScheduleOption.of(found[-1]))
+    if not found and beat < INF:
+        return None  # nothing beats the plan already found
     if not found:
         raise _no_fit_error(ctx, *lean, fixed) if lean is not None else no_layout[0]
     # Ties go to the schedule listed first (PLANNED_SCHEDULES: least memory
@@ -108,21 +118,21 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
 
 
 def _search(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]],
-            schedule: str) -> tuple[Optional[tuple[Candidate, Split]], int]:
+            schedule: str, beat: float = INF) -> tuple[Optional[tuple[Candidate, Split]], int]:
     """Best-first over ``blocks``' candidates under ``schedule``: the best
-    (candidate, split), or None if nothing fits, and how many were solved."""
+    (candidate, split) faster than ``beat``, or None if none fits, and how many were solved."""
     lbs = np.concatenate([b.lower_bounds for b in blocks])
     starts = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
     best: Optional[tuple[Candidate, Split]] = None
     solved = 0
     for pos in np.argsort(lbs, kind="stable"):
-        if best is not None and lbs[pos] >= best[1].step_s:
+        if lbs[pos] >= (beat if best is None else best[1].step_s):
             break
         bi = int(np.searchsorted(starts, pos, side="right")) - 1
         cand = blocks[bi].candidate(int(pos - starts[bi]))
         solved += 1
-        split = _split(ctx, cand, schedule, fixed, INF if best is None else best[1].step_s)
-        if split is not None and (best is None or split.step_s < best[1].step_s):
+        split = _split(ctx, cand, schedule, fixed, beat if best is None else best[1].step_s)
+        if split is not None and split.step_s < (beat if best is None else best[1].step_s):
             best = (cand, split)
     return best, solved
 
@@ -142,15 +152,15 @@ def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[lis
 V_REFINED = 3
 
 
-def _search_v(schedule: str, ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
-              ) -> tuple[Optional[tuple[Candidate, Split]], int]:
+def _search_v(schedule: str, ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]],
+              beat: float = INF) -> tuple[Optional[tuple[Candidate, Split]], int]:
     """A V schedule's search (zb_v; partitioner/v_split.py): each candidate's starting splits
     are simulated, best-first by a lower bound, and the best few are climbed."""
     lbs = np.concatenate([b.lower_bounds for b in blocks])
     starts_at = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
     scored: list[tuple[float, int, Candidate, Split]] = []
     tight: list[tuple[float, int, Candidate, list[int]]] = []  # starts that overflow memory
-    solved, best = 0, INF
+    solved, best = 0, beat
     for pos in np.argsort(lbs, kind="stable"):
         if lbs[pos] >= best:
             break
@@ -200,9 +210,10 @@ def _num_stages(planner: PlannerConfig, fixed: Optional[list[int]], schedule: st
 
 
 def plan_for(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
-             planner: Optional[PlannerConfig] = None, layers: Optional[Sequence[int]] = None) -> Plan:
+             planner: Optional[PlannerConfig] = None, layers: Optional[Sequence[int]] = None,
+             cp_method: str = "allgather") -> Plan:
     """The :class:`Plan` ``pretrain plan=auto`` runs: :func:`solve`'s best, as data."""
-    return solve(model, cluster, train, planner, layers).to_plan()
+    return solve(model, cluster, train, planner, layers, cp_method=cp_method).to_plan()
 
 
 @dataclass
@@ -251,7 +262,7 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> li
         for dp in dps:
             M = per_dp // dp
             for tps in itertools.product(*tp_options):
-                room = [sizes[g] // (tps[g] * dp) for g in range(G)]
+                room = [sizes[g] // (tps[g] * dp * ctx.cp) for g in range(G)]
                 if min(room) < 1:
                     continue
                 if fixed_stages is not None:

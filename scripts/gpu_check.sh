@@ -23,7 +23,10 @@
 #      device-direct and the TCP CPU-forwarding channel (gpu2_mixed), the
 #      zero-bubble schedules zb_h1 and zb_v, plan=auto, and the three
 #      boundaries again with train.deterministic=true, whose curves
-#      python -m hetpipe.compare must find bitwise identical (row "parity");
+#      python -m hetpipe.compare must find bitwise identical (row "parity"),
+#      and context parallelism (issue 45): one stage on both GPUs with
+#      partition.cp=2, all-gather and ring, whose losses must stay within 2 %
+#      of one GPU's per step (rows "cp2_allgather_vs_cp1", "cp2_ring_vs_cp1");
 # all (default): one, then two where the machine has two GPUs.
 # --data is a Megatron indexed dataset prefix (PREFIX.bin/.idx, byte
 # tokenizer, e.g. from scripts/preprocess_data.py); without it the runs use
@@ -130,6 +133,16 @@ two() {
   echo "== parity: python -m hetpipe.compare nccl_det direct_det tcp_det (bitwise: deterministic runs)"
   "$py" -m hetpipe.compare "$out/nccl_det" "$out/direct_det" "$out/tcp_det" --out "$out/parity" > "$out/parity.log" 2>&1
   record parity $? "$out/parity.log" $((SECONDS - start))
+  cp
+}
+
+# Issue 45: the sequence split over the two GPUs of one stage (bf16 rounding: 2 %).
+cp() {
+  run cp1 cluster=single
+  run cp2_allgather cluster=gpu2_homogeneous partition.layers=[8] partition.cp=2 partition.cp_method=allgather
+  compare cp2_allgather_vs_cp1 "$out/cp1" "$out/cp2_allgather" --rtol 0.02
+  run cp2_ring cluster=gpu2_homogeneous partition.layers=[8] partition.cp=2 partition.cp_method=ring
+  compare cp2_ring_vs_cp1 "$out/cp1" "$out/cp2_ring" --rtol 0.02
 }
 
 case "$part" in

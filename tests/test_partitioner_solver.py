@@ -11,6 +11,7 @@ from hetpipe.models import model_preset
 from hetpipe.partitioner import solver
 from hetpipe.devices.catalog import catalog_with, device_spec
 from hetpipe.partitioner.cost import GIB, NetworkConfig, Precision, StageShape, unit_costs
+from hetpipe.partitioner.context_plan import planned_cp_degrees
 from hetpipe.partitioner.cost_context import CostContext
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.planner_config import PlannerConfig
@@ -29,9 +30,17 @@ def paper_cluster(**transport) -> ClusterConfig:
 
 
 def exhaustive(model, cluster, train, planner):
-    """Solve every candidate the solver enumerates under every schedule, without
-    pruning; also check each bound."""
-    ctx = CostContext(model, cluster, train, planner)
+    """Solve every candidate the solver enumerates under every schedule and
+    context-parallel degree, without pruning; also check each bound."""
+    best = None
+    for cp in planned_cp_degrees(cluster, train.seq_length, planner.cp):
+        found = _exhaustive_at(CostContext(model, cluster, train, planner, cp), planner)
+        if found is not None:
+            best = found if best is None else min(best, found)
+    return best
+
+
+def _exhaustive_at(ctx, planner):
     best = None
     for schedule in schedules_for(planner.schedule, planner.recompute):
         for block in solver._enumerate(ctx, None, schedule):

@@ -13,6 +13,9 @@ model's plan (:mod:`hetpipe.models.parallelize`), as torchtitan keeps a
 * :mod:`~hetpipe.parallel.grad_reducer` - bucketed DP gradient averaging that
   overlaps backward;
 * :mod:`~hetpipe.parallel.zero1` - AdamW with its state sharded over DP (ZeRO-1);
+* :mod:`~hetpipe.parallel.context` - context parallelism: the load-balanced
+  sequence shards and attention across them (all-gather of K/V, or a ring
+  with log-sum-exp merging);
 * :mod:`~hetpipe.parallel.group_facts` - group facts and torch-version
   shims both TP and DP use.
 """

@@ -388,6 +388,20 @@ class PartitionConfig:
     # Data-parallel degree: the same for every stage (each stage is replicated
     # dp times inside its vendor group).
     dp: int = 1
+    # Context-parallel degree of every vendor group: each microbatch's sequence
+    # split over cp ranks of a stage (rank i holds chunks i and 2cp-1-i of 2cp,
+    # which balances causal attention; hetpipe.parallel.context). A stage has
+    # TP x CP x DP ranks (TP fastest, then CP, then DP, Megatron's order).
+    # train.seq_length must be a multiple of 2 x cp.
+    cp: int = 1
+    # One CP degree per group, in the cluster's group order (see tp_per_group);
+    # None: cp for every group. The stage boundary carries CP rank i's slice to
+    # CP rank i of the next stage, so every group must use the same degree.
+    cp_per_group: Optional[List[int]] = None
+    # How attention reaches the other CP ranks' keys: allgather (K/V gathered
+    # once per layer, the LLaMA 3 paper's choice) or ring (K/V blocks passed
+    # round the group, softmax merged by log-sum-exp; blocks in plain torch).
+    cp_method: str = "allgather"
     # Megatron sequence parallelism inside TP groups (norms on sequence shards).
     sequence_parallel: bool = False
     # Gradient-reduction bucket size for DP (MiB), reduced while backward runs.
@@ -405,6 +419,13 @@ class PartitionConfig:
         if self.tp < 1 or self.dp < 1 or (self.tp_per_group is not None and min(self.tp_per_group, default=0) < 1):
             raise ConfigError(f"partition.tp={self.tp}, tp_per_group={self.tp_per_group} and dp={self.dp} "
                               "must be positive")
+        if self.cp < 1 or (self.cp_per_group is not None and min(self.cp_per_group, default=0) < 1):
+            raise ConfigError(f"partition.cp={self.cp} and cp_per_group={self.cp_per_group} must be positive")
+        if self.sequence_parallel and max(self.cp_per_group or [self.cp]) > 1:
+            raise ConfigError("partition.sequence_parallel=true with partition.cp > 1 is not supported: "
+                              "CP already splits the sequence; set partition.sequence_parallel=false")
+        if self.cp_method not in ("allgather", "ring"):
+            raise ConfigError(f"partition.cp_method={self.cp_method!r} must be allgather or ring")
         if self.recv_ahead is not None and self.recv_ahead < 1:
             raise ConfigError(f"partition.recv_ahead={self.recv_ahead} must be at least 1")
         value_checks.positive("partition.grad_bucket_mb", self.grad_bucket_mb)

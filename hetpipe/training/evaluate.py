@@ -59,7 +59,8 @@ class Validator:
 
     def __init__(self, interval: int, eval_iters: int, loader: MicrobatchLoader, engine: PipelineEngine,
                  actions: Sequence[Action], contributes: bool, dp_rank: int, dp_size: int,
-                 group: Optional[dist.ProcessGroup], weights: Optional[Bf16Weights]) -> None:
+                 group: Optional[dist.ProcessGroup], weights: Optional[Bf16Weights],
+                 cp_group: Optional[dist.ProcessGroup] = None) -> None:
         self.interval = interval
         self.eval_iters = eval_iters
         self.loader = loader
@@ -71,6 +72,8 @@ class Validator:
         self.dp_size = dp_size
         self.group = group
         self.weights = weights
+        # CP ranks each hold a share of a microbatch's loss (hetpipe.models.context_hooks).
+        self.cp_group = cp_group
 
     def due(self, completed_steps: int, train_iters: int) -> bool:
         """Whether to validate after ``completed_steps`` optimizer steps."""
@@ -90,6 +93,9 @@ class Validator:
                 losses += step_losses
         width = self.eval_iters * self.loader.num_microbatches
         local = torch.stack(losses).double().cpu() if losses else torch.zeros(width, dtype=torch.float64)
+        if self.cp_group is not None:  # the mean of the CP ranks' shares is the microbatch's loss
+            dist.all_reduce(local, group=self.cp_group)
+            local /= dist.get_world_size(self.cp_group)
         rows = self._by_dp_rank(torch.cat([local, torch.tensor(counts, dtype=torch.float64)]))
         values = self._global_order(rows[:, :width]).astype(np.float32)
         val_loss = _token_mean(values, self._global_order(rows[:, width:]))
@@ -136,5 +142,6 @@ def build_validator(cfg: PretrainConfig, plan: Plan, topo: Topology, engine: Pip
         return None
     actions = forward_only(plan.pipeline_size, loader.num_microbatches, plan.num_chunks,
                            plan.schedule)[topo.pp_rank]
-    return Validator(cfg.train.eval_interval, cfg.train.eval_iters, loader, engine, actions, contributes,
-                     topo.dp_rank, topo.dp_size, dist.group.WORLD if topo.world_size > 1 else None, weights)
+    return Validator(cfg.train.eval_interval, cfg.train.eval_iters, loader, engine, actions,
+                     contributes and topo.cp_rank == 0, topo.dp_rank, topo.dp_size,
+                     dist.group.WORLD if topo.world_size > 1 else None, weights, topo.cp_group)

@@ -91,7 +91,7 @@ def with_prediction(plan: Plan, cfg: Any) -> Plan:
 
 
 def predict(plan: Plan, cfg: Any) -> Optional[list[float]]:
-    return predicted_memory_gib(plan, cfg.model, cfg.cluster, cfg.train, cfg.planner)
+    return predicted_memory_gib(plan, cfg.model, cfg.cluster, cfg.train, cfg.planner, cfg.partition.cp_method)
 
 
 def predicted_of(plan: Plan, stage: int) -> Optional[float]:

@@ -106,14 +106,19 @@ class Topology:
                               f"{self.world_size}; every rank must be in exactly one stage")
         self.pp_rank, index = where[self.rank]
         self.stage = self.stages[self.pp_rank]
-        self.tp_size, self.dp_size = self.stage.tp, self.stage.dp
-        self.dp_rank, self.tp_rank = divmod(index, self.tp_size)
+        self.tp_size, self.dp_size, self.cp_size = self.stage.tp, self.stage.dp, self.stage.cp
+        # Index (d * cp + c) * tp + t: TP fastest, then CP, then DP (Megatron's order).
+        replica, self.tp_rank = divmod(index, self.tp_size)
+        self.dp_rank, self.cp_rank = divmod(replica, self.cp_size)
         self.group_index, self.group = self.cluster.group_of(self.rank)
         self.device = self._device(self.group)
         self._check_vendor()
         self.vendor_groups: list[Optional[dist.ProcessGroup]] = []
         self.tp_group: Optional[dist.ProcessGroup] = None
+        # The ranks holding the same parameters (DP x CP): gradients are averaged over it.
         self.dp_group: Optional[dist.ProcessGroup] = None
+        # The ranks sharing each sequence (hetpipe.parallel.context).
+        self.cp_group: Optional[dist.ProcessGroup] = None
         self.p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self.embedding_group: Optional[dist.ProcessGroup] = None
         self.channels: dict[int, StageLink] = {}
@@ -148,8 +153,10 @@ class Topology:
         g = self.cluster.group_of(rank)[1]
         s = next(i for i, st in enumerate(self.stages) if rank in st.ranks)
         st = self.stages[s]
-        d, t = divmod(st.ranks.index(rank), st.tp)
+        replica, t = divmod(st.ranks.index(rank), st.tp)
+        d, c = divmod(replica, st.cp)
         coords = f", DP {d}, TP {t}" if st.tp * st.dp > 1 else ""
+        coords += f", CP {c}" if st.cp > 1 else ""
         return f"stage {s} (group {g.name}, {g.vendor}, rank {rank}{coords})"
 
     def is_cross_vendor(self, a: int, b: int) -> bool:
@@ -167,9 +174,11 @@ class Topology:
 
     def routes(self, src_stage: int, dst_stage: int) -> list[tuple[int, int]]:
         """(sender rank, receiver rank) pairs that carry stage ``src_stage``'s
-        messages to ``dst_stage``: receiver (d, t) takes them from (d, t % tp_src)."""
+        messages to ``dst_stage``: receiver (d, c, t) takes them from (d, c, t % tp_src),
+        so CP rank c's slice of the sequence goes to CP rank c (equal CP degrees: resolve.py)."""
         a, b = self.stages[src_stage], self.stages[dst_stage]
-        return [(a.ranks[d * a.tp + t % a.tp], b.ranks[d * b.tp + t]) for d in range(b.dp) for t in range(b.tp)]
+        return [(a.ranks[r * a.tp + t % a.tp], b.ranks[r * b.tp + t]) for r in range(b.dp * b.cp)
+                for t in range(b.tp)]
 
     # -- process groups and channels ---------------------------------------------
     def init_process_groups(self, tied_embeddings: bool) -> None:
@@ -196,17 +205,19 @@ class Topology:
         for st in self.stages:
             vendor = self.cluster.group_of(st.ranks[0])[1]
             if st.tp > 1:
-                for d in range(st.dp):
+                for d in range(st.dp * st.cp):  # one TP group per (DP, CP) replica
                     ranks = st.ranks[d * st.tp:(d + 1) * st.tp]
                     group = self._new_group(ranks, vendor)
                     if self.rank in ranks:
                         self.tp_group = group
-            if st.dp > 1:
+            if st.dp * st.cp > 1:
                 for t in range(st.tp):
                     ranks = st.ranks[t::st.tp]
                     group = self._new_group(ranks, vendor)
                     if self.rank in ranks:
                         self.dp_group = group
+            if st.cp > 1:
+                self._new_cp_groups(st, vendor)
         # One communicator per direction of every same-vendor rank pair at a
         # stage boundary (see comm/p2p.py for why NCCL needs this).
         # NCCL boundary waits do not block the host (comm/p2p.py), so the
@@ -223,6 +234,15 @@ class Topology:
                 group = dist.new_group([a, b], backend="gloo", timeout=deadline)
                 if self.rank in (a, b):
                     self.embedding_group = group
+
+    def _new_cp_groups(self, st, vendor: GroupConfig) -> None:
+        """One group per (DP, TP) coordinate of the stage over its CP ranks."""
+        for d in range(st.dp):
+            for t in range(st.tp):
+                ranks = [st.ranks[(d * st.cp + c) * st.tp + t] for c in range(st.cp)]
+                group = self._new_group(ranks, vendor)
+                if self.rank in ranks:
+                    self.cp_group = group
 
     def _join_nodes(self, rendezvous_store: dist.TCPStore) -> None:
         """This node's NICs, the roll call, the job's watch, and gloo/NCCL pointed at the NICs."""

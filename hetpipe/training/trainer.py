@@ -48,6 +48,7 @@ from hetpipe.observe.straggler import StragglerReport
 from hetpipe.models import build_model
 from hetpipe.models.documents import DocumentRule
 from hetpipe.models.transformer import set_document_masking
+from hetpipe.models.context_hooks import use_context_parallel
 from hetpipe.data.tokenizer import load_tokenizer
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.layers import elementwise_kernels, fuse_elementwise, set_attention_backend, use_liger
@@ -55,6 +56,7 @@ from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.models.recompute import set_recompute
 from hetpipe.models.split_backward import allow_retained_graphs
 from hetpipe.checkpoint.tp_slices import shard_fn
+from hetpipe.parallel.context import ContextShard
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.parallel.zero1 import DistributedOptimizer
@@ -233,6 +235,7 @@ def _build_chunks(cfg: PretrainConfig, plan: Plan, topo: Topology, precision: st
         set_attention_backend(chunk, cfg.train.attention_backend, cfg.train.deterministic, topo.device, topo.rank,
                               half=precision != "fp32")
         set_document_masking(chunk, _document_rule(cfg))
+        use_context_parallel(chunk, ContextShard(topo.cp_size, topo.cp_rank, topo.cp_group, cfg.partition.cp_method))
         stage = plan.stages[v]
         set_recompute(chunk, stage.recompute, stage.recompute_num_layers)
         if fp8 is not None:
@@ -404,7 +407,7 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     weights = (Bf16Weights(chunks, fuse_linear_grads=t.grad_accumulation_fusion and not compiled)
                if precision in WORKING_COPY_MODES else None)
     engine = PipelineEngine(chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
-                            activation_shape=(t.micro_batch_size, t.seq_length, cfg.model.hidden_size),
+                            activation_shape=(t.micro_batch_size, t.seq_length // topo.cp_size, cfg.model.hidden_size),
                             activation_dtype=activation_dtype(precision), device=device, precision=precision,
                             weights=weights, recv_ahead=_recv_ahead(cfg, topo))
     if device.type == "cuda" and topo.world_size > 1 and not os.environ.get("HETPIPE_SKIP_WARMUP"):
@@ -415,12 +418,12 @@ def _set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
         engine.warm_up((torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)),
                        forward_only=t.eval_interval is not None)
     reducer = None
-    if topo.dp_size > 1:
+    if topo.dp_size * topo.cp_size > 1:  # CP ranks hold the same parameters, partial gradients
         reducer = GradReducer(chunks, topo.dp_group, bucket_bytes=int(cfg.partition.grad_bucket_mb * 2**20),
                               microbatches_per_step=loader.num_microbatches)
     optimizer = build_optimizer(chunks, cfg.optimizer, device, topo.dp_group)
     world_group = dist.group.WORLD if topo.world_size > 1 else None
-    clipper = GradNormClipper(cfg.model, chunks, world_group, contributes=topo.dp_rank == 0)
+    clipper = GradNormClipper(cfg.model, chunks, world_group, contributes=topo.dp_rank == 0 and topo.cp_rank == 0)
     counts_loss = any(chunk.is_last for chunk in chunks) and topo.tp_rank == 0
     token_weights = step_weights(cfg.data.eod_mask_loss, any(c.is_last for c in chunks), topo.dp_group, device)
     validator = build_validator(cfg, plan, topo, engine, counts_loss, weights)
@@ -516,7 +519,8 @@ def _log_step(r: _Rank, logger: Optional[MetricsLogger], step: int, result: _Ste
                 reason=result.skipped, lr=result.lr, consumed_samples=consumed,
                 consecutive_skips=guard.consecutive, skipped_steps=guard.total)
         return None
-    mean_loss = result.loss_sum / (r.loader.num_microbatches * r.topo.dp_size)
+    # Each CP rank's loss is its share of the sequence's mean times CP (hetpipe.models.context_hooks).
+    mean_loss = result.loss_sum / (r.loader.num_microbatches * r.topo.dp_size * r.topo.cp_size)
     if logger is not None:
         if logger.straggler is not None:
             logger.straggler.add(result.busy)
