@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from hetpipe.cluster import ClusterConfig
+from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.partitioner.context_cost import cp_degrees
 from hetpipe.partitioner.split import INF

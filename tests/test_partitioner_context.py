@@ -1,10 +1,10 @@
 """The planner's price of context parallelism (partitioner/context_cost.py)."""
 import pytest
 
-from hetpipe.cluster import ClusterConfig, GroupConfig
+from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.devices.catalog import device_spec
 from hetpipe.errors import ConfigError
-from hetpipe.memory_fit import Capacity, check_stage, with_prediction
+from hetpipe.training.memory_fit import Capacity, check_stage, with_prediction
 from hetpipe.models import model_preset
 from hetpipe.partitioner import cost
 from hetpipe.partitioner.context_cost import (attention_share, cp_degrees, cp_layer_cost, kv_bytes,
@@ -13,7 +13,7 @@ from hetpipe.partitioner.plan_memory import predicted_memory_gib
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.resolve import resolve_plan
 from hetpipe.partitioner.solver import plan_for, solve
-from hetpipe.pretrain_config import PretrainConfig, TrainConfig
+from hetpipe.schema.pretrain_config import PretrainConfig, TrainConfig
 
 LLAMA8B = model_preset("llama8b", max_position_embeddings=131072)
 GIB = 2**30
@@ -131,7 +131,7 @@ def test_a_long_sequence_refused_whole_fits_split_over_cp():
 
 
 def test_sequence_parallel_with_cp_is_one_line_and_plan_auto_keeps_cp1_under_it():
-    from hetpipe.pretrain_config import PartitionConfig
+    from hetpipe.schema.pretrain_config import PartitionConfig
     with pytest.raises(ConfigError, match="sequence_parallel=true with partition.cp > 1"):
         PartitionConfig(cp=2, sequence_parallel=True)
     cfg = _cfg(1)
