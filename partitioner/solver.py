@@ -21,7 +21,7 @@ schedule changes the memory every stage needs, so the candidates that fit,
 and its own bounds) and the fastest plan wins; the others are reported
 beside it. zb_v's ranks hold two unit ranges each, which
 :mod:`hetpipe.partitioner.v_split` prices by simulating the schedule and
-searches locally from two starting splits (:func:`_search_v`).
+searches locally from two starting splits (:mod:`hetpipe.partitioner.v_search`).
 :mod:`hetpipe.partitioner.cost_context` prices each candidate and
 :mod:`hetpipe.partitioner.report` describes the winner.
 """
@@ -40,6 +40,7 @@ from hetpipe.models.model_config import ModelConfig
 # Siblings by their own path, not through the package, whose __init__ imports the solver.
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
+import hetpipe.partitioner.v_search as v_search
 import hetpipe.partitioner.v_split as v_split
 from hetpipe.partitioner.candidate_bounds import ContiguousBounds, less_slack
 from hetpipe.partitioner.cost_context import Candidate, CostContext
@@ -91,7 +92,7 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             continue
         lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
         if schedule_model.is_v_shaped(schedule):
-            best, count = _search_v(schedule, ctx, blocks, fixed)
+            best, count = v_search.search(schedule, ctx, blocks, fixed)
         else:
             best, count = _search(ctx, blocks, fixed, schedule, tables)
         solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
@@ -194,49 +195,6 @@ def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[lis
     if fixed is None:
         return best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path, beat)
     return evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed, prob.path)
-
-
-# How many of the best V candidates (by their starting splits) the climb refines.
-V_REFINED = 3
-
-
-def _search_v(schedule: str, ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
-              ) -> tuple[Optional[tuple[Candidate, Split]], int]:
-    """A V schedule's search (zb_v; partitioner/v_split.py): each candidate's starting splits
-    are simulated, best-first by a lower bound, and the best few are climbed."""
-    lbs = np.concatenate([b.lower_bounds for b in blocks])
-    starts_at = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
-    scored: list[tuple[float, int, Candidate, Split]] = []
-    tight: list[tuple[float, int, Candidate, list[int]]] = []  # starts that overflow memory
-    solved, best = 0, INF
-    for pos in np.argsort(lbs, kind="stable"):
-        if lbs[pos] >= best:
-            break
-        bi = int(np.searchsorted(starts_at, pos, side="right")) - 1
-        cand = blocks[bi].candidate(int(pos - starts_at[bi]))
-        solved += 1
-        for cuts in ([fixed] if fixed is not None else v_split.starts(schedule, ctx, cand)):
-            split, overflow = v_split.evaluate(schedule, ctx, cand, cuts)
-            if split is not None:
-                scored.append((split.step_s, len(scored), cand, split))
-                best = min(best, split.step_s)
-            else:
-                tight.append((overflow, len(tight), cand, cuts))
-    # The best few climb (where too few fit, the least overflowing starts too:
-    # moving layers between chunks can bring a rank into memory).
-    finalists = [(c, list(sp.bounds)) for _, _, c, sp in sorted(scored)[:V_REFINED]]
-    finalists += [(c, cuts) for _, _, c, cuts in sorted(tight)[:V_REFINED - len(finalists)]]
-    scored = []
-    for cand, cuts in finalists:
-        if fixed is None:
-            cuts = v_split.climb(schedule, ctx, cand, cuts)[1]
-        split, _ = v_split.evaluate(schedule, ctx, cand, cuts)
-        if split is not None:
-            scored.append((split.step_s, len(scored), cand, split))
-    if not scored:
-        return None, solved
-    _, _, cand, split = min(scored)
-    return (cand, split), solved
 
 
 def _num_stages(planner: PlannerConfig, fixed: Optional[list[int]], schedule: str) -> Optional[int]:

@@ -17,11 +17,12 @@ from hetpipe.pipeline.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.plan import format_solution
 from hetpipe.models import build_model, model_preset
-from hetpipe.partitioner import schedule_model, v_split, v_timing
+from hetpipe.partitioner import schedule_model, solver, v_search, v_split, v_timing
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.solver import solve
 from hetpipe.partitioner.split import step_time_s
+from hetpipe.partitioner.v_bounds import VBounds
 from hetpipe.pretrain_config import TrainConfig
 from hetpipe.pipeline.placement import Placement
 from hetpipe.pipeline.schedule_check import simulate
@@ -195,6 +196,66 @@ def test_v_split_search_is_within_a_percent_of_every_split(layers):
     first, second = plan.stages[0].group, plan.stages[2].group
     assert first != second
     assert [s.group for s in plan.stages] == [first] * 2 + [second] * 4 + [first] * 2
+
+
+def _random_v_problem(rng) -> CostContext:
+    """A small random zb_v problem: 1-3 groups, 4-9 layers, memories that leave some splits out."""
+    devices = ["H100", "H200", "MI300X", "MI325X"]
+    groups = [GroupConfig(name=f"g{g}", vendor="nvidia", device_type=str(rng.choice(devices)),
+                          nodes=int(rng.integers(1, 3)), ranks_per_node=int(rng.choice([1, 2, 4])))
+              for g in range(int(rng.integers(1, 4)))]
+    model = dataclasses.replace(MODEL, num_layers=int(rng.integers(4, 10)))
+    train = TrainConfig(micro_batch_size=1, global_batch_size=int(rng.choice([4, 8, 16])),
+                        seq_length=int(rng.choice([2048, 8192])))
+    catalog = {d: {"memory_gib": float(rng.uniform(12, 80))} for d in devices}
+    planner = PlannerConfig(catalog=catalog, schedule="zb_v", distributed_optimizer=bool(rng.integers(0, 2)))
+    return CostContext(model, ClusterConfig(name="random", groups=groups), train, planner)
+
+
+def test_v_bounds_lie_below_the_simulated_steps():
+    """What the V search skips by (partitioner/v_bounds.py): a candidate's bound
+    lies below every V split's simulated step, a split's bounds below its own."""
+    rng = np.random.default_rng(31)
+    checked = 0
+    for _ in range(8):
+        ctx = _random_v_problem(rng)
+        bounds = VBounds(ctx, "zb_v")
+        for block in solver._enumerate(ctx, None, "zb_v"):
+            rows = np.arange(len(block.stages))
+            for row, bound in zip(rows, bounds.blocks([(block, rows)])[0]):
+                cand = block.candidate(row)
+                links = v_split.message_s(ctx, cand)
+                for cuts in _some_v_splits(rng, ctx.num_units, len(cand.layout())):
+                    split, _ = v_split.evaluate("zb_v", ctx, cand, cuts)
+                    if split is None:
+                        continue
+                    for low in (bound, bounds.start(cand, cuts, links), bounds.timed(cand, cuts, links)):
+                        assert low <= split.step_s * (1 + 1e-12)
+                    checked += 1
+    assert checked > 300
+
+
+def _some_v_splits(rng, U: int, P: int, count: int = 3) -> list[list[int]]:
+    """A few random splits of U units into 2P virtual stages, and the most even one."""
+    even = [round(i * U / (2 * P)) for i in range(2 * P + 1)]
+    picks = [sorted(rng.choice(np.arange(1, U), 2 * P - 1, replace=False).tolist()) for _ in range(count)]
+    return [even] + [[0, *inner, U] for inner in picks]
+
+
+def test_v_search_climbs_from_the_walks_own_best_starts():
+    """The bounded walk (v_search._Walk) ends where simulating every start ends,
+    with the same three best starts (or least overflowing ones) to climb."""
+    rng = np.random.default_rng(32)
+    for _ in range(10):
+        ctx = _random_v_problem(rng)
+        try:
+            blocks = solver._enumerate(ctx, None, "zb_v")
+        except ConfigError:
+            continue
+        every = v_search.plain_walk("zb_v", ctx, blocks, lambda cand: v_split.starts("zb_v", ctx, cand))
+        walk = v_search._Walk("zb_v", ctx, blocks, VBounds(ctx, "zb_v"))
+        walk.settle()
+        assert v_search.finalists(*walk.results()[:2]) == v_search.finalists(*every[:2])
 
 
 def test_zb_v_is_planned_and_chosen_when_fastest():
