@@ -46,13 +46,14 @@ def search(schedule: str, ctx: CostContext, blocks: list, fixed: Optional[list[i
            bounds: Optional[VBounds] = None) -> tuple[Optional[tuple[Candidate, Split]], int]:
     """The best (candidate, split) of ``blocks`` under the V ``schedule``, or None
     if nothing fits, and how many candidates had a start simulated."""
+    bounds = bounds or VBounds(ctx, schedule)
     if fixed is not None:
         scored, tight, solved = plain_walk(schedule, ctx, blocks, lambda cand: [fixed])
     else:
-        walk = _Walk(schedule, ctx, blocks, bounds or VBounds(ctx, schedule))
+        walk = _Walk(schedule, ctx, blocks, bounds)
         walk.settle()
         scored, tight, solved = walk.results()
-    return _climbed(schedule, ctx, finalists(scored, tight), fixed), solved
+    return _climbed(schedule, ctx, finalists(scored, tight), fixed, bounds), solved
 
 
 def finalists(scored: list, tight: list) -> list[tuple[Candidate, list[int]]]:
@@ -66,12 +67,12 @@ def _key(entry: tuple) -> tuple:
     return entry[:2]
 
 
-def _climbed(schedule: str, ctx: CostContext, chosen: list, fixed: Optional[list[int]]):
+def _climbed(schedule: str, ctx: CostContext, chosen: list, fixed: Optional[list[int]], bounds: VBounds):
     """The best of ``chosen`` (candidate, starting cuts) once each has climbed, or None."""
     scored = []
     for cand, cuts in chosen:
         if fixed is None:
-            cuts = v_split.climb(schedule, ctx, cand, cuts)[1]
+            cuts = v_split.climb(schedule, ctx, cand, cuts, _ruled_out(ctx, bounds, cand))[1]
         split, _ = v_split.evaluate(schedule, ctx, cand, cuts)
         if split is not None:
             scored.append((split.step_s, len(scored), cand, split))
@@ -79,6 +80,16 @@ def _climbed(schedule: str, ctx: CostContext, chosen: list, fixed: Optional[list
         return None
     _, _, cand, split = min(scored, key=_key)
     return cand, split
+
+
+def _ruled_out(ctx: CostContext, bounds: VBounds, cand: Candidate):
+    """climb's test that a split of ``cand`` cannot step below ``step``: its paths' bound, then its timed one."""
+    links = v_split.message_s(ctx, cand)
+
+    def ruled_out(cuts: list[int], step: float) -> bool:
+        return less_slack(bounds.start(cand, cuts, links)) >= step or \
+            less_slack(bounds.timed(cand, cuts, links)) >= step
+    return ruled_out
 
 
 def plain_walk(schedule: str, ctx: CostContext, blocks: list, cuts_of) -> tuple[list, list, int]:
@@ -128,6 +139,7 @@ class _Walk:
 
     def __init__(self, schedule: str, ctx: CostContext, blocks: list, bounds: VBounds) -> None:
         self.schedule, self.ctx, self.blocks, self.bounds = schedule, ctx, blocks, bounds
+        self.splits = v_split.StartSplits(schedule, ctx)
         lbs = np.concatenate([b.lower_bounds for b in blocks])
         self.order = np.argsort(lbs, kind="stable")
         self.lb = lbs[self.order]
@@ -171,12 +183,22 @@ class _Walk:
             if not len(unsure):
                 if span == len(self.lb):
                     return span
-                self._load(self.loaded)
+                self._reach()
                 continue
             c = int(unsure[0])
             if self.lb[c] >= high[c]:
                 return c
             self._refine(int(np.argmin(self.lower[:c])))
+
+    def _reach(self) -> None:
+        """Know more positions: first, while no start has a simulated step, the
+        most promising loaded one's (a step caps how far the walk can reach,
+        hence what is worth loading); then load more."""
+        j = int(np.argmin(self.pending[:self.loaded])) if self.loaded else 0
+        if self.loaded and self.best.min() == INF and self.pending[j] < INF:
+            self._refine(j)
+        else:
+            self._load(self.loaded)
 
     def _third_best(self) -> float:
         """The third best simulated step of the walk so far (INF while fewer fit)."""
@@ -200,8 +222,11 @@ class _Walk:
             self._simulate_next(k)
 
     def _load(self, k: int) -> None:
-        """Bounds over all splits for every position below max(2 x loaded, k + 1, FIRST_LOAD)."""
-        stop = min(len(self.lb), max(2 * self.loaded, k + 1, FIRST_LOAD))
+        """Bounds over all splits for every position below max(2 x loaded, k + 1,
+        FIRST_LOAD), but none past where the walk certainly ends: at the first
+        balance bound that reaches a simulated step."""
+        beyond = int(np.searchsorted(self.lb, self.best.min(), side="left")) + 1
+        stop = min(len(self.lb), max(min(2 * self.loaded, beyond), k + 1, FIRST_LOAD))
         positions = np.arange(self.loaded, stop)
         pos = self.order[positions]
         bi = np.searchsorted(self.first, pos, side="right") - 1
@@ -218,7 +243,7 @@ class _Walk:
         cand = self._candidate(k)
         links = v_split.message_s(self.ctx, cand)
         self.starts[k] = [_Start(cuts, max(self.lower[k], less_slack(self.bounds.start(cand, cuts, links))))
-                          for cuts in v_split.starts(self.schedule, self.ctx, cand)]
+                          for cuts in self.splits(cand)]
         self._update(k)
 
     def _simulate_next(self, k: int) -> None:

@@ -34,7 +34,7 @@ and two MI325X ranks it found the best of all V splits at 8 layers and one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -146,24 +146,68 @@ def evaluate(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) 
 def starts(schedule: str, ctx: CostContext, cand: Candidate) -> list[list[int]]:
     """Where the climb begins: the split with the fastest slowest virtual stage,
     and even layers (the runtime's default split), where each is valid."""
-    layout = cand.layout()
-    P, U = len(layout), ctx.num_units
-    placement = Placement(schedule, P, 2)
-    found = []
-    time = np.stack([ctx.group_costs(layout[placement.rank_of(v)][0], cand.tp[layout[placement.rank_of(v)][0]],
-                                     cand.dp, cand.micro_batch_size, "none", False).time for v in range(2 * P)])
-    value, bounds = minimax(np.where(np.triu(np.ones((U + 1, U + 1), bool), 1), time, INF), with_bounds=True)
-    if np.isfinite(value):
-        found.append(list(bounds))
-    even = unit_bounds(even_split(ctx.model.num_layers, 2 * P))
-    if all(b > a for a, b in zip(even, even[1:])) and even not in found:
-        found.append(even)
-    return found
+    return StartSplits(schedule, ctx)(cand)
 
 
-def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) -> tuple[tuple[float, float], list[int]]:
+class StartSplits:
+    """:func:`starts` for the candidates of one problem. The minimax dynamic
+    program over virtual stages keeps each stage's state (best value per
+    boundary, and its choices) per (TP per group, microbatch size, groups of
+    the stages so far): candidates whose first virtual stages lie on the same
+    groups share that work, and since a state is the same operations on the
+    same numbers, the splits are those :func:`split.minimax` finds."""
+
+    def __init__(self, schedule: str, ctx: CostContext) -> None:
+        self.schedule, self.ctx = schedule, ctx
+        self._states: dict = {}
+
+    def __call__(self, cand: Candidate) -> list[list[int]]:
+        P = len(cand.layout())
+        found = []
+        value, bounds = self._minimax(cand)
+        if np.isfinite(value):
+            found.append(bounds)
+        even = unit_bounds(even_split(self.ctx.model.num_layers, 2 * P))
+        if all(b > a for a, b in zip(even, even[1:])) and even not in found:
+            found.append(even)
+        return found
+
+    def _minimax(self, cand: Candidate) -> tuple[float, list[int]]:
+        """split.minimax(..., with_bounds=True) over the V's virtual stages, each on its rank's group."""
+        layout = cand.layout()
+        placement = Placement(self.schedule, len(layout), 2)
+        groups = tuple(layout[placement.rank_of(v)][0] for v in range(2 * len(layout)))
+        states = [self._state(cand, groups[:k + 1]) for k in range(len(groups))]
+        N = len(states[0][0])
+        bounds = [N - 1]
+        for _, arg in reversed(states[1:]):
+            bounds.append(int(arg[bounds[-1]]))
+        bounds.append(0)
+        return float(states[-1][0][N - 1]), bounds[::-1]
+
+    def _state(self, cand: Candidate, groups: tuple[int, ...]) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(best value per boundary, choice per boundary) after the virtual stages on ``groups``."""
+        key = (cand.tp, cand.micro_batch_size, groups)
+        if key not in self._states:
+            # A stage's time without recomputation, INF on and below the diagonal (as starts' matrix).
+            cost = self.ctx.group_costs(groups[-1], cand.tp[groups[-1]], cand.dp, cand.micro_batch_size, "none",
+                                        False).time
+            if len(groups) == 1:
+                self._states[key] = (cost[0].copy(), None)
+            else:
+                total = np.maximum(self._state(cand, groups[:-1])[0][:, None], cost)
+                arg = np.argmin(total, axis=0)
+                self._states[key] = (total[arg, np.arange(len(arg))], arg)
+        return self._states[key]
+
+
+def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int],
+          ruled_out: Optional[Callable[[list[int], float], bool]] = None) -> tuple[tuple[float, float], list[int]]:
     """Move one boundary by one unit at a time while (memory overflow, step)
-    falls; the best (overflow, step) and its boundaries."""
+    falls; the best (overflow, step) and its boundaries. ``ruled_out(cuts,
+    step)``, where given, says a split's step is certainly no less than
+    ``step`` (a lower bound's word): such a move is not priced once the best
+    fits, as it cannot be taken."""
     links = message_s(ctx, cand)
     seen: dict[tuple[int, ...], tuple[float, float]] = {}
 
@@ -184,6 +228,8 @@ def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) -> 
                 if not trial[idx - 1] < trial[idx] < trial[idx + 1]:
                     continue
                 moves += 1
+                if ruled_out is not None and best[0] == 0 and ruled_out(trial, best[1]):
+                    continue
                 value = score(trial)
                 if value < best:
                     best, cuts, improved = value, trial, True
