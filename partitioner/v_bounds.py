@@ -117,22 +117,29 @@ class VBounds:
 
     def _chunks(self, cand: Candidate, cuts: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(P, 2, 4) each rank's two chunks' F, B, W and parameters, and (P,) its sync."""
-        cum, a, b = self._ranks_of(cand)  # (P, 4, U + 1), (P,), (P,)
+        cum = self._group_cumulative(cand.tp, cand.micro_batch_size)  # (G, 4, U + 1)
+        groups = np.array([g for g, _ in cand.layout()])
         cuts = np.asarray(cuts)
-        P = len(cum)
+        P = len(groups)
         r = np.arange(P)
         ends = [(cuts[r], cuts[r + 1]), (cuts[2 * P - 1 - r], cuts[2 * P - r])]
-        chunks = np.stack([cum[r, :, j].T - cum[r, :, i].T for i, j in ends], axis=1).transpose(2, 1, 0)
-        return chunks, a + b * chunks[:, :, 3].sum(axis=1)
+        rows, parts = groups[:, None], np.arange(4)[None, :]
+        chunks = np.stack([cum[rows, parts, j[:, None]] - cum[rows, parts, i[:, None]] for i, j in ends], axis=1)
+        a, b = self._group_sync(cand.tp, cand.dp)
+        return chunks, a[groups] + b[groups] * chunks[:, :, 3].sum(axis=1)
 
-    def _ranks_of(self, cand: Candidate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per rank of ``cand``: its group's cumulative unit parts, and its affine sync (a, b)."""
-        key = ("ranks", cand.order, cand.stages, cand.tp, cand.dp, cand.micro_batch_size)
+    def _group_cumulative(self, tps: tuple[int, ...], mbs: int) -> np.ndarray:
+        """(G, 4, U + 1): each group's cumulative unit parts at its TP."""
+        key = ("cums", tps, mbs)
         if key not in self._parts:
-            groups = [g for g, _ in cand.layout()]
-            cum = np.stack([self._cumulative(g, cand.tp[g], cand.micro_batch_size) for g in groups])
-            a, b = np.array([self._affine_sync(g, cand.tp[g], cand.dp) for g in groups]).T
-            self._parts[key] = (cum, a, b)
+            self._parts[key] = np.stack([self._cumulative(g, tp, mbs) for g, tp in enumerate(tps)])
+        return self._parts[key]
+
+    def _group_sync(self, tps: tuple[int, ...], dp: int) -> tuple[np.ndarray, np.ndarray]:
+        """(a, b) per group: its ranks' affine sync (see _affine_sync)."""
+        key = ("syncs", tps, dp)
+        if key not in self._parts:
+            self._parts[key] = tuple(np.array([self._affine_sync(g, tp, dp) for g, tp in enumerate(tps)]).T)
         return self._parts[key]
 
     def _cumulative(self, g: int, tp: int, mbs: int) -> np.ndarray:
@@ -153,17 +160,22 @@ class VBounds:
 
     # -- every split of a candidate ------------------------------------------------------
     def blocks(self, wanted: list[tuple[object, np.ndarray]]) -> list[np.ndarray]:
-        """For each (solver block, rows), a lower bound on the step of every V split
-        of each candidate in those rows (the block gives order, tp, dp,
+        """For each (solver block, rows), (2, rows): lower bounds on the slowest
+        path's and on the slowest sync's part of the step of every V split of
+        each candidate in those rows (the block gives order, tp, dp,
         micro_batch_size, num_microbatches and stages per group in cluster
-        order): the least slowest path and sync over layer counts, in one
-        vectorised pass for all."""
+        order): their least over layer counts, in one vectorised pass for
+        all. Their sum bounds the step."""
         parts = [self._inputs(block).take(rows) for block, rows in wanted if len(rows)]
         if not parts:
-            return [np.zeros(0) for _ in wanted]
+            return [np.zeros((2, 0)) for _ in wanted]
         bounds = iter(np.split(_bound(_Inputs.joined(parts), self.ctx.model.num_layers),
-                               np.cumsum([len(p.M) for p in parts])[:-1]))
-        return [next(bounds) if len(rows) else np.zeros(0) for _, rows in wanted]
+                               np.cumsum([len(p.M) for p in parts])[:-1], axis=1))
+        return [next(bounds) if len(rows) else np.zeros((2, 0)) for _, rows in wanted]
+
+    def synced(self, cand: Candidate, cuts: list[int]) -> float:
+        """The slowest rank's sync under the V split ``cuts`` of ``cand`` (as priced, up to rounding)."""
+        return float(self._chunks(cand, cuts)[1].max())
 
     def _inputs(self, block) -> "_Inputs":
         """What :func:`_bound` needs of every row of ``block``, built once."""
@@ -262,8 +274,8 @@ def _fit(x: np.ndarray, axis: int, size: int) -> np.ndarray:
 
 
 def _bound(x: _Inputs, num_layers: int) -> np.ndarray:
-    """Per row, the water levels of the slowest path and of the slowest sync
-    (module docstring)."""
+    """(2, n): per row, the water levels of the slowest path and of the slowest
+    sync (module docstring)."""
     ranks = _Ranks(x.stages, num_layers)
     layer = np.moveaxis(np.take_along_axis(x.layer, ranks.group[:, :, None], axis=1), 2, 0)  # (4, n, P)
     first = ranks.r == 0
@@ -276,7 +288,7 @@ def _bound(x: _Inputs, num_layers: int) -> np.ndarray:
     a, b = (np.take_along_axis(x.sync[:, :, i], ranks.group, axis=1) for i in (0, 1))
     held = np.where(first, x.emb[:, 3:4] + x.head[:, 3:4], 2 * layer[3])
     sync = _water_level((a + b * held)[None], (b * layer[3])[None], ranks)
-    return path + sync
+    return np.stack([path, sync])
 
 
 def _chain(x: _Inputs, ranks: "_Ranks", layer: np.ndarray, num_layers: int) -> np.ndarray:

@@ -118,10 +118,12 @@ def plain_walk(schedule: str, ctx: CostContext, blocks: list, cuts_of) -> tuple[
 class _Start:
     """One starting split of a walk candidate and what is known of it."""
     cuts: list[int]
-    # A lower bound on its simulated step: the paths' (VBounds.start), then the
-    # makespan at the least chunk times (VBounds.timed), then the simulation's own.
+    # A lower bound on its simulated step, refined level by level: the
+    # candidate's paths over all splits and this split's own sync, this
+    # split's paths (VBounds.start), its makespan at the least chunk times
+    # (VBounds.timed), its simulated step.
     bound: float
-    timed: bool = False
+    level: int = 0
     # v_split.evaluate's (split or None, overflow), once simulated.
     result: Optional[tuple[Optional[Split], float]] = None
 
@@ -145,6 +147,7 @@ class _Walk:
         self.lb = lbs[self.order]
         self.first = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
         self.lower = less_slack(self.lb)
+        self.paths = np.zeros(len(self.lb))  # the path part of a loaded position's bound over all splits
         self.pending = self.lower.copy()  # the least bound on a start not yet simulated
         self.best = np.full(len(self.lb), INF)
         self.fitting: list[tuple[float, int]] = []  # (simulated step, position) of each start that fits
@@ -188,7 +191,16 @@ class _Walk:
             c = int(unsure[0])
             if self.lb[c] >= high[c]:
                 return c
-            self._refine(int(np.argmin(self.lower[:c])))
+            self._refine_below(c)
+
+    def _refine_below(self, c: int) -> None:
+        """One more level for each position before ``c`` whose bound does not
+        pass c's balance bound, least first (to go past c, all must pass it),
+        until one of them simulates a step at or below it (the walk ends there)."""
+        for q in np.argsort(self.lower[:c], kind="stable"):
+            if self.lower[q] > self.lb[c] or self.best[q] <= self.lb[c]:
+                break
+            self._refine(int(q))
 
     def _reach(self) -> None:
         """Know more positions: first, while no start has a simulated step, the
@@ -231,29 +243,30 @@ class _Walk:
         pos = self.order[positions]
         bi = np.searchsorted(self.first, pos, side="right") - 1
         wanted = [(self.blocks[b], pos[bi == b] - self.first[b]) for b in np.unique(bi)]
-        for b, value in zip(np.unique(bi), self.bounds.blocks(wanted)):
+        for b, (paths, sync) in zip(np.unique(bi), self.bounds.blocks(wanted)):
             at = positions[bi == b]
-            self.lower[at] = np.maximum(self.lower[at], less_slack(value))
+            self.paths[at] = paths
+            self.lower[at] = np.maximum(self.lower[at], less_slack(paths + sync))
             self.pending[at] = self.lower[at]
         self.loaded = stop
 
     def _bound_starts(self, k: int) -> None:
-        """Position ``k``'s starts, each with its own bound (or the candidate's
-        over all splits, where that is higher)."""
+        """Position ``k``'s starts, each bounded by the paths of all its
+        candidate's splits and its own sync (or the candidate's bound, where higher)."""
         cand = self._candidate(k)
-        links = v_split.message_s(self.ctx, cand)
-        self.starts[k] = [_Start(cuts, max(self.lower[k], less_slack(self.bounds.start(cand, cuts, links))))
+        self.starts[k] = [_Start(cuts, max(self.lower[k], less_slack(self.paths[k] + self.bounds.synced(cand, cuts))))
                           for cuts in self.splits(cand)]
         self._update(k)
 
     def _simulate_next(self, k: int) -> None:
-        """Position ``k``'s start with the least bound: its makespan at the least
-        chunk times, or where it has that, its simulation."""
+        """Position ``k``'s start with the least bound, one level further: its
+        own paths, its makespan at the least chunk times, or its simulation."""
         start = min((s for s in self.starts[k] if s.result is None), key=lambda s: s.bound)
         cand = self._candidate(k)
-        if not start.timed:
-            timed = self.bounds.timed(cand, start.cuts, v_split.message_s(self.ctx, cand))
-            start.bound, start.timed = max(start.bound, less_slack(timed)), True
+        if start.level < 2:
+            links = v_split.message_s(self.ctx, cand)
+            bound = (self.bounds.start if start.level == 0 else self.bounds.timed)(cand, start.cuts, links)
+            start.bound, start.level = max(start.bound, less_slack(bound)), start.level + 1
         else:
             start.result = v_split.evaluate(self.schedule, self.ctx, cand, start.cuts)
             if start.result[0] is not None:

@@ -152,14 +152,15 @@ def starts(schedule: str, ctx: CostContext, cand: Candidate) -> list[list[int]]:
 class StartSplits:
     """:func:`starts` for the candidates of one problem. The minimax dynamic
     program over virtual stages keeps each stage's state (best value per
-    boundary, and its choices) per (TP per group, microbatch size, groups of
-    the stages so far): candidates whose first virtual stages lie on the same
-    groups share that work, and since a state is the same operations on the
-    same numbers, the splits are those :func:`split.minimax` finds."""
+    boundary, and its choices) in a tree per (TP per group, microbatch size),
+    a path down it the groups of the stages so far: candidates whose first
+    virtual stages lie on the same groups share that work, and since a state
+    is the same operations on the same numbers, the splits are those
+    :func:`split.minimax` finds."""
 
     def __init__(self, schedule: str, ctx: CostContext) -> None:
         self.schedule, self.ctx = schedule, ctx
-        self._states: dict = {}
+        self._trees: dict = {}
 
     def __call__(self, cand: Candidate) -> list[list[int]]:
         P = len(cand.layout())
@@ -176,29 +177,31 @@ class StartSplits:
         """split.minimax(..., with_bounds=True) over the V's virtual stages, each on its rank's group."""
         layout = cand.layout()
         placement = Placement(self.schedule, len(layout), 2)
-        groups = tuple(layout[placement.rank_of(v)][0] for v in range(2 * len(layout)))
-        states = [self._state(cand, groups[:k + 1]) for k in range(len(groups))]
-        N = len(states[0][0])
+        node = self._trees.setdefault((cand.tp, cand.micro_batch_size), {})
+        state, choices = None, []
+        for v in range(2 * len(layout)):
+            g = layout[placement.rank_of(v)][0]
+            if g not in node:
+                node[g] = (self._step(cand, g, state), {})
+            state, node = node[g]
+            choices.append(state[1])
+        N = len(state[0])
         bounds = [N - 1]
-        for _, arg in reversed(states[1:]):
+        for arg in reversed(choices[1:]):
             bounds.append(int(arg[bounds[-1]]))
         bounds.append(0)
-        return float(states[-1][0][N - 1]), bounds[::-1]
+        return float(state[0][N - 1]), bounds[::-1]
 
-    def _state(self, cand: Candidate, groups: tuple[int, ...]) -> tuple[np.ndarray, Optional[np.ndarray]]:
-        """(best value per boundary, choice per boundary) after the virtual stages on ``groups``."""
-        key = (cand.tp, cand.micro_batch_size, groups)
-        if key not in self._states:
-            # A stage's time without recomputation, INF on and below the diagonal (as starts' matrix).
-            cost = self.ctx.group_costs(groups[-1], cand.tp[groups[-1]], cand.dp, cand.micro_batch_size, "none",
-                                        False).time
-            if len(groups) == 1:
-                self._states[key] = (cost[0].copy(), None)
-            else:
-                total = np.maximum(self._state(cand, groups[:-1])[0][:, None], cost)
-                arg = np.argmin(total, axis=0)
-                self._states[key] = (total[arg, np.arange(len(arg))], arg)
-        return self._states[key]
+    def _step(self, cand: Candidate, g: int, state) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """The (best value per boundary, choice per boundary) after one more
+        virtual stage on group ``g`` (the first where ``state`` is None)."""
+        # A stage's time without recomputation, INF on and below the diagonal (as starts' matrix).
+        cost = self.ctx.group_costs(g, cand.tp[g], cand.dp, cand.micro_batch_size, "none", False).time
+        if state is None:
+            return cost[0].copy(), None
+        total = np.maximum(state[0][:, None], cost)
+        arg = np.argmin(total, axis=0)
+        return total[arg, np.arange(len(arg))], arg
 
 
 def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int],

@@ -226,11 +226,11 @@ def test_v_bounds_lie_below_the_simulated_steps():
         wanted = [(block, rng.permutation(len(block.stages))[:int(rng.integers(1, len(block.stages) + 1))])
                   for block in blocks]
         for (block, rows), together in list(zip(wanted, bounds.blocks(wanted)))[::7]:
-            for row, bound in list(zip(rows, together))[:2]:
-                assert bound == pytest.approx(bounds.blocks([(block, np.array([row]))])[0][0], rel=1e-9)
+            for row, bound in list(zip(rows, together.T))[:2]:
+                assert bound == pytest.approx(bounds.blocks([(block, np.array([row]))])[0][:, 0], rel=1e-9)
         for block in blocks:
             rows = np.arange(len(block.stages))
-            for row, bound in zip(rows, bounds.blocks([(block, rows)])[0]):
+            for row, bound in zip(rows, bounds.blocks([(block, rows)])[0].sum(axis=0)):
                 cand = block.candidate(row)
                 links = v_split.message_s(ctx, cand)
                 for cuts in _some_v_splits(rng, ctx.num_units, len(cand.layout())):
