@@ -149,7 +149,8 @@ def _search(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]]
 class _BestFirst:
     """The candidates of ``blocks`` by (tightest lower bound, rank). A block's
     tighter bounds (candidate_bounds.py) are computed only once the queue
-    reaches the least of its balance bounds, which lie below them."""
+    reaches the least of its balance bounds, which lie below them; the block's
+    candidates are then sorted, and only its next one waits in the heap."""
 
     def __init__(self, blocks: list["_Block"], lbs: np.ndarray, rank: np.ndarray, tables: ContiguousBounds,
                  schedule: str) -> None:
@@ -158,26 +159,39 @@ class _BestFirst:
         self.floor = less_slack(lbs)
         self.block_floor = np.minimum.reduceat(self.floor, self.starts[:-1])
         self.waiting = list(np.argsort(self.block_floor, kind="stable")[::-1])  # the next one last
-        self.heap: list[tuple[float, int, int]] = []
+        self.heap: list[tuple[float, int, int, int]] = []  # (bound, rank, block, index into its queue)
+        self.queues: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # block -> (bounds, positions), sorted
 
     def pop(self, best: float) -> Optional[tuple[float, int, int]]:
         """The next (bound, rank, position) of a candidate whose bound does not
         pass ``best`` (the best step so far), or None."""
         while self.waiting and self.block_floor[self.waiting[-1]] <= min(best, self.heap[0][0] if self.heap else INF):
             self._load(self.waiting.pop(), best)
-        return heapq.heappop(self.heap) if self.heap else None
+        if not self.heap:
+            return None
+        bound, rank, bi, at = heapq.heappop(self.heap)
+        self._push(bi, at + 1)
+        return bound, rank, int(self.queues[bi][1][at])
 
     def candidate(self, pos: int) -> Candidate:
         bi = int(np.searchsorted(self.starts, pos, side="right")) - 1
         return self.blocks[bi].candidate(int(pos - self.starts[bi]))
 
     def _load(self, bi: int, best: float) -> None:
-        """Queue block ``bi``'s candidates whose bounds do not pass ``best``."""
+        """Sort block ``bi``'s candidates whose bounds do not pass ``best``, and queue the first."""
         start = self.starts[bi]
         rows = np.flatnonzero(self.floor[start:self.starts[bi + 1]] <= best)
         bounds = np.maximum(self.floor[start + rows], less_slack(self._tighter(self.blocks[bi], rows)))
-        for row, bound in zip(rows[bounds <= best], bounds[bounds <= best]):
-            heapq.heappush(self.heap, (float(bound), int(self.rank[start + row]), int(start + row)))
+        keep = bounds <= best
+        positions, bounds = start + rows[keep], bounds[keep]
+        order = np.lexsort((self.rank[positions], bounds))
+        self.queues[bi] = (bounds[order], positions[order])
+        self._push(bi, 0)
+
+    def _push(self, bi: int, at: int) -> None:
+        bounds, positions = self.queues[bi]
+        if at < len(bounds):
+            heapq.heappush(self.heap, (float(bounds[at]), int(self.rank[positions[at]]), bi, at))
 
     def _tighter(self, b: "_Block", rows: np.ndarray) -> np.ndarray:
         """The tighter bounds of ``rows`` of block ``b`` (-inf where it has none)."""

@@ -284,7 +284,14 @@ def _bound(x: _Inputs, num_layers: int) -> np.ndarray:
     ends = np.moveaxis(x.tail[:, :, :, 0] @ x.emb[:, None, :3, None] + x.tail[:, :, :, 1] @ x.head[:, None, :3, None],
                        1, 0)[..., 0]
     least = _chain(x, ranks, layer, num_layers) + np.where(first, ends, per_layer.sum(axis=-1))
-    path = _water_level(least, per_layer.min(axis=-1), ranks)
+    step = per_layer.min(axis=-1)
+    # Rank 0 entered at its chunk 0's B: the path has every chunk's B, so each
+    # layer beyond one per chunk adds its B wherever it lies (and rank 0's own
+    # step, which counts that B, the rest).
+    b_least = np.where(ranks.valid, layer[1], INF).min(axis=1)
+    least[2, :, 0] += ranks.extra * b_least
+    step[2, :, 0] = np.maximum(step[2, :, 0] - b_least, 0.0)
+    path = _water_level(least, step, ranks)
     a, b = (np.take_along_axis(x.sync[:, :, i], ranks.group, axis=1) for i in (0, 1))
     held = np.where(first, x.emb[:, 3:4] + x.head[:, 3:4], 2 * layer[3])
     sync = _water_level((a + b * held)[None], (b * layer[3])[None], ranks)
