@@ -9,21 +9,25 @@ group (within a node, dividing the heads), one DP degree for all stages
 :mod:`hetpipe.partitioner.split` solves exactly for the predicted step time
 of a pipeline schedule (:mod:`hetpipe.partitioner.schedule_model`), each
 stage running the cheapest activation recomputation that fits its
-devices (:mod:`hetpipe.partitioner.cost_context`). Candidates are visited
-best-first by a lower bound (perfect balance at the candidate's aggregate
-speed, without recomputation) and the search stops when the bound passes
-the best plan found, which is what keeps 1024 GPUs under a few seconds.
+devices (:mod:`hetpipe.partitioner.cost_context`). Candidates are solved
+best-first by a lower bound on their step (:mod:`hetpipe.partitioner.candidate_bounds`:
+each term of the step at its least over splits, from per-group tables, with
+no split problem built) and the search stops when the bound passes the best
+plan found; of equally fast candidates the plan is the first by a cruder
+balance bound (perfect balance at the candidate's aggregate speed), the
+order the search once solved them in (:func:`_search`).
 With ``planner.schedule=auto`` the search runs once per schedule (each
 schedule changes the memory every stage needs, so the candidates that fit,
 and its own bounds) and the fastest plan wins; the others are reported
 beside it. zb_v's ranks hold two unit ranges each, which
 :mod:`hetpipe.partitioner.v_split` prices by simulating the schedule and
-searches locally from two starting splits (:func:`_search_v`).
+searches locally from two starting splits (:mod:`hetpipe.partitioner.v_search`).
 :mod:`hetpipe.partitioner.cost_context` prices each candidate and
 :mod:`hetpipe.partitioner.report` describes the winner.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -37,7 +41,9 @@ from hetpipe.models.model_config import ModelConfig
 import hetpipe.partitioner.context_plan as context_plan
 import hetpipe.partitioner.cost as cost
 import hetpipe.partitioner.schedule_model as schedule_model
+import hetpipe.partitioner.v_search as v_search
 import hetpipe.partitioner.v_split as v_split
+from hetpipe.partitioner.candidate_bounds import ContiguousBounds, less_slack
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.inputs import TrainShape
 from hetpipe.partitioner.plan_data import Plan, StagePlan, unit_bounds
@@ -77,12 +83,14 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     solved = total = 0
     lean: Optional[tuple[list[_Block], str]] = None
     no_layout: list[ConfigError] = []
+    memo: dict = {}
+    tables = ContiguousBounds(ctx)
     for schedule in schedule_model.schedules_for(planner.schedule, planner.recompute):
         num_stages = _num_stages(planner, fixed, schedule)
         if num_stages == 0:
             continue  # an odd number of virtual stages has no V
         try:
-            blocks = _enumerate(ctx, num_stages, schedule)
+            blocks = _enumerate(ctx, num_stages, schedule, memo)
         except ConfigError as exc:
             # Under auto a schedule the cluster cannot lay out is left out: a
             # fixed [15, 17] is one zb_v rank, which cannot cover two groups.
@@ -92,9 +100,11 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             continue
         lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
         if schedule_model.is_v_shaped(schedule):
-            best, count = _search_v(schedule, ctx, blocks, fixed, beat)
+            best, count = v_search.search(schedule, ctx, blocks, fixed)
         else:
-            best, count = _search(ctx, blocks, fixed, schedule, beat)
+            best, count = _search(ctx, blocks, fixed, schedule, tables, beat)
+        if best is not None and best[1].step_s >= beat:
+            best = None  # no faster than the plan of a CP degree already solved
         solved, total = solved + count, total + sum(len(b.lower_bounds) for b in blocks)
         if best is None:
             options.append(ScheduleOption(schedule, None))
@@ -117,24 +127,90 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
     return solution
 
 
-def _search(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]],
-            schedule: str, beat: float = INF) -> tuple[Optional[tuple[Candidate, Split]], int]:
-    """Best-first over ``blocks``' candidates under ``schedule``: the best
-    (candidate, split) faster than ``beat``, or None if none fits, and how many were solved."""
+def _search(ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]], schedule: str,
+            tables: Optional[ContiguousBounds] = None, beat: float = INF) -> tuple[Optional[tuple[Candidate, Split]], int]:
+    """The best (candidate, split) of ``blocks`` under ``schedule``, or None if
+    nothing fits, and how many candidates were solved (``tables``: the
+    tighter bounds' tables, kept across schedules). Only a step below ``beat``
+    is searched for.
+
+    The plan is the fastest candidate's best split; of equally fast ones, the
+    first by the balance bound (``lower_bounds``, stable sort): the order the
+    search once solved them in. They are solved by their tightest bound
+    instead, which meets the fastest sooner and stops sooner (a candidate
+    whose bound reaches the best step cannot beat it); ties are kept by
+    comparing (step, that rank).
+    """
     lbs = np.concatenate([b.lower_bounds for b in blocks])
-    starts = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
+    rank = np.empty(len(lbs), dtype=int)
+    rank[np.argsort(lbs, kind="stable")] = np.arange(len(lbs))
+    queue = _BestFirst(blocks, lbs, rank, tables or ContiguousBounds(ctx), schedule)
     best: Optional[tuple[Candidate, Split]] = None
+    key = (beat, INF)  # (step, rank) of the best; a step equal to beat is dropped by the caller
     solved = 0
-    for pos in np.argsort(lbs, kind="stable"):
-        if lbs[pos] >= (beat if best is None else best[1].step_s):
-            break
-        bi = int(np.searchsorted(starts, pos, side="right")) - 1
-        cand = blocks[bi].candidate(int(pos - starts[bi]))
+    while (item := queue.pop(key[0])) is not None and item[:2] <= key:
+        cand = queue.candidate(item[2])
         solved += 1
-        split = _split(ctx, cand, schedule, fixed, beat if best is None else best[1].step_s)
-        if split is not None and split.step_s < (beat if best is None else best[1].step_s):
-            best = (cand, split)
+        # A split as fast as the best still wins if its candidate ranks first.
+        bar = key[0] if item[1] > key[1] else float(np.nextafter(key[0], INF))
+        split = _split(ctx, cand, schedule, fixed, bar)
+        if split is not None and (split.step_s, item[1]) < key:
+            best, key = (cand, split), (split.step_s, item[1])
     return best, solved
+
+
+class _BestFirst:
+    """The candidates of ``blocks`` by (tightest lower bound, rank). A block's
+    tighter bounds (candidate_bounds.py) are computed only once the queue
+    reaches the least of its balance bounds, which lie below them; the block's
+    candidates are then sorted, and only its next one waits in the heap."""
+
+    def __init__(self, blocks: list["_Block"], lbs: np.ndarray, rank: np.ndarray, tables: ContiguousBounds,
+                 schedule: str) -> None:
+        self.blocks, self.rank, self.tables, self.schedule = blocks, rank, tables, schedule
+        self.starts = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
+        self.floor = less_slack(lbs)
+        self.block_floor = np.minimum.reduceat(self.floor, self.starts[:-1])
+        self.waiting = list(np.argsort(self.block_floor, kind="stable")[::-1])  # the next one last
+        self.heap: list[tuple[float, int, int, int]] = []  # (bound, rank, block, index into its queue)
+        self.queues: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # block -> (bounds, positions), sorted
+
+    def pop(self, best: float) -> Optional[tuple[float, int, int]]:
+        """The next (bound, rank, position) of a candidate whose bound does not
+        pass ``best`` (the best step so far), or None."""
+        while self.waiting and self.block_floor[self.waiting[-1]] <= min(best, self.heap[0][0] if self.heap else INF):
+            self._load(self.waiting.pop(), best)
+        if not self.heap:
+            return None
+        bound, rank, bi, at = heapq.heappop(self.heap)
+        self._push(bi, at + 1)
+        return bound, rank, int(self.queues[bi][1][at])
+
+    def candidate(self, pos: int) -> Candidate:
+        bi = int(np.searchsorted(self.starts, pos, side="right")) - 1
+        return self.blocks[bi].candidate(int(pos - self.starts[bi]))
+
+    def _load(self, bi: int, best: float) -> None:
+        """Sort block ``bi``'s candidates whose bounds do not pass ``best``, and queue the first."""
+        start = self.starts[bi]
+        rows = np.flatnonzero(self.floor[start:self.starts[bi + 1]] <= best)
+        bounds = np.maximum(self.floor[start + rows], less_slack(self._tighter(self.blocks[bi], rows)))
+        keep = bounds <= best
+        positions, bounds = start + rows[keep], bounds[keep]
+        order = np.lexsort((self.rank[positions], bounds))
+        self.queues[bi] = (bounds[order], positions[order])
+        self._push(bi, 0)
+
+    def _push(self, bi: int, at: int) -> None:
+        bounds, positions = self.queues[bi]
+        if at < len(bounds):
+            heapq.heappush(self.heap, (float(bounds[at]), int(self.rank[positions[at]]), bi, at))
+
+    def _tighter(self, b: "_Block", rows: np.ndarray) -> np.ndarray:
+        """The tighter bounds of ``rows`` of block ``b`` (-inf where it has none)."""
+        if b.c_max is None:
+            return np.full(len(rows), -INF)
+        return self.tables.block(self.schedule, b, rows)
 
 
 def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[list[int]],
@@ -146,49 +222,6 @@ def _split(ctx: CostContext, cand: Candidate, schedule: str, fixed: Optional[lis
     if fixed is None:
         return best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path, beat)
     return evaluate_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, fixed, prob.path)
-
-
-# How many of the best V candidates (by their starting splits) the climb refines.
-V_REFINED = 3
-
-
-def _search_v(schedule: str, ctx: CostContext, blocks: list["_Block"], fixed: Optional[list[int]],
-              beat: float = INF) -> tuple[Optional[tuple[Candidate, Split]], int]:
-    """A V schedule's search (zb_v; partitioner/v_split.py): each candidate's starting splits
-    are simulated, best-first by a lower bound, and the best few are climbed."""
-    lbs = np.concatenate([b.lower_bounds for b in blocks])
-    starts_at = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
-    scored: list[tuple[float, int, Candidate, Split]] = []
-    tight: list[tuple[float, int, Candidate, list[int]]] = []  # starts that overflow memory
-    solved, best = 0, beat
-    for pos in np.argsort(lbs, kind="stable"):
-        if lbs[pos] >= best:
-            break
-        bi = int(np.searchsorted(starts_at, pos, side="right")) - 1
-        cand = blocks[bi].candidate(int(pos - starts_at[bi]))
-        solved += 1
-        for cuts in ([fixed] if fixed is not None else v_split.starts(schedule, ctx, cand)):
-            split, overflow = v_split.evaluate(schedule, ctx, cand, cuts)
-            if split is not None:
-                scored.append((split.step_s, len(scored), cand, split))
-                best = min(best, split.step_s)
-            else:
-                tight.append((overflow, len(tight), cand, cuts))
-    # The best few climb (where too few fit, the least overflowing starts too:
-    # moving layers between chunks can bring a rank into memory).
-    finalists = [(c, list(sp.bounds)) for _, _, c, sp in sorted(scored)[:V_REFINED]]
-    finalists += [(c, cuts) for _, _, c, cuts in sorted(tight)[:V_REFINED - len(finalists)]]
-    scored = []
-    for cand, cuts in finalists:
-        if fixed is None:
-            cuts = v_split.climb(schedule, ctx, cand, cuts)[1]
-        split, _ = v_split.evaluate(schedule, ctx, cand, cuts)
-        if split is not None:
-            scored.append((split.step_s, len(scored), cand, split))
-    if not scored:
-        return None, solved
-    _, _, cand, split = min(scored)
-    return (cand, split), solved
 
 
 def _num_stages(planner: PlannerConfig, fixed: Optional[list[int]], schedule: str) -> Optional[int]:
@@ -225,75 +258,139 @@ class _Block:
     micro_batch_size: int
     num_microbatches: int
     stages: np.ndarray  # (n, G)
+    # The search's order (best first) and where it stops (lower bounds).
     lower_bounds: np.ndarray  # (n,)
+    # Contiguous schedules: per row, the largest message and twice their sum,
+    # for the tighter bounds the search takes (candidate_bounds.py).
+    c_max: Optional[np.ndarray] = None
+    c_sum: Optional[np.ndarray] = None
 
     def candidate(self, row: int) -> Candidate:
         return Candidate(self.order, tuple(int(s) for s in self.stages[row]), self.tp, self.dp,
                          self.micro_batch_size, self.num_microbatches)
 
 
-def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str) -> list[_Block]:
+def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str,
+               memo: Optional[dict] = None) -> list[_Block]:
     """Every candidate allowed by the cluster and the planner's constraints, in
-    blocks, with lower bounds on its step under ``schedule``."""
-    train, planner = ctx.train, ctx.planner
-    G, U = len(ctx.groups), ctx.num_units
-    sizes = [g.size for g in ctx.groups]
+    blocks, with lower bounds on its step under ``schedule``. ``memo`` keeps
+    what does not depend on the schedule (stage counts, unit costs, messages)
+    for the next schedule's enumeration."""
+    memo = {} if memo is None else memo
     tp_options = _tp_options(ctx)
+    shapes = _batch_shapes(ctx)
+    orders = _orders(ctx)
+    fixed_stages = _fixed_stages(ctx, num_stages)
+    # Every group holds a stage, every (virtual) stage a unit; a V rank holds two.
+    limit = ctx.num_units // 2 if schedule_model.is_v_shaped(schedule) else ctx.num_units
+    blocks = []
+    for mbs, dps in shapes:
+        for dp in dps:
+            M = ctx.train.global_batch_size // mbs // dp
+            for tps in itertools.product(*tp_options):
+                key = ("layouts", tps, dp, mbs, limit, num_stages)
+                if key not in memo:
+                    memo[key] = _layouts(ctx, tps, dp, mbs, limit, num_stages, fixed_stages)
+                if memo[key] is not None:
+                    blocks += _order_blocks(ctx, memo, memo[key], orders, schedule, M)
+    if not blocks:
+        raise ConfigError(_no_layout_message(ctx, num_stages, fixed_stages))
+    return blocks
+
+
+def _batch_shapes(ctx: CostContext) -> list[tuple[int, list[int]]]:
+    """Each microbatch size the search tries, with the DP degrees that divide its microbatch slots."""
+    train, planner = ctx.train, ctx.planner
     mbs_options = list(planner.micro_batch_sizes or [train.micro_batch_size])
     for mbs in mbs_options:
         if mbs < 1 or train.global_batch_size % mbs:
             raise ConfigError(f"microbatch size {mbs} does not divide train.global_batch_size="
                               f"{train.global_batch_size}")
+    return [(mbs, _dps(ctx, mbs)) for mbs in mbs_options]
+
+
+def _dps(ctx: CostContext, mbs: int) -> list[int]:
+    """DP degrees for microbatch size ``mbs``: ``planner.dp``, or every divisor of the microbatch slots."""
+    train, planner = ctx.train, ctx.planner
+    per_dp = train.global_batch_size // mbs
+    if planner.dp is not None and per_dp % planner.dp:
+        raise ConfigError(f"planner.dp={planner.dp} does not divide train.global_batch_size / microbatch "
+                          f"size = {train.global_batch_size} / {mbs} = {per_dp} samples per microbatch slot")
+    return [planner.dp] if planner.dp is not None else [d for d in range(1, per_dp + 1) if per_dp % d == 0]
+
+
+@dataclass
+class _Layouts:
+    """The stage counts per group that one (TP per group, DP, microbatch size)
+    allows, and what bounds their steps whatever the group order."""
+    tps: tuple[int, ...]
+    dp: int
+    mbs: int
+    grid: np.ndarray  # (n, G): stages per group, cluster order
+    units: list[cost.UnitCosts]  # per group, at the bound's recomputation
+    stage_lb: np.ndarray  # (n,): below the slowest stage
+    unit_sum: float  # below the sum of the stages
+    in_max: np.ndarray  # (n,): the largest message inside a group
+    in_sum: np.ndarray  # (n,): twice the messages inside groups
+
+
+def _layouts(ctx: CostContext, tps: tuple[int, ...], dp: int, mbs: int, limit: int, num_stages: Optional[int],
+             fixed_stages: Optional[list[int]]) -> Optional[_Layouts]:
+    """The stage counts of ``tps``, ``dp`` and ``mbs`` and their bounds, or None if there are none."""
+    grid = _grid(ctx, tps, dp, limit, num_stages, fixed_stages)
+    if grid is None or not len(grid):
+        return None
     # Recomputation only adds time, so the bound takes a stage's units at their
     # cheapest: without it, unless one mode is imposed on every stage.
-    bound_mode = ctx.recompute_modes[0] if len(ctx.recompute_modes) == 1 else "none"
-    orders = _orders(ctx)
-    fixed_stages = _fixed_stages(ctx, num_stages)
-    # Every group holds a stage, every (virtual) stage a unit; a V rank holds two.
-    limit = U // 2 if schedule_model.is_v_shaped(schedule) else U
-    max_stages = limit - (G - 1)
+    mode = ctx.recompute_modes[0] if len(ctx.recompute_modes) == 1 else "none"
+    units = [ctx.unit_costs(g, tps[g], mbs, mode, False) for g in range(len(ctx.groups))]
+    stage_lb, unit_sum = _balance_bounds([u.time_s for u in units], grid)
+    probe = Candidate(tuple(range(len(ctx.groups))), tuple(int(s) for s in grid[0]), tps, dp, mbs, 1)
+    in_max, in_sum = _inner_links(ctx, probe, grid)
+    return _Layouts(tps, dp, mbs, grid, units, stage_lb, unit_sum, in_max, in_sum)
+
+
+def _grid(ctx: CostContext, tps: tuple[int, ...], dp: int, limit: int, num_stages: Optional[int],
+          fixed_stages: Optional[list[int]]) -> Optional[np.ndarray]:
+    """(n, G) stages per group that fit each group's ranks at ``tps`` and ``dp``, or None."""
+    G = len(ctx.groups)
+    room = [ctx.groups[g].size // (tps[g] * dp * ctx.cp) for g in range(G)]
+    if min(room) < 1:
+        return None
+    if fixed_stages is not None:
+        return None if any(fixed_stages[g] > room[g] for g in range(G)) else np.array([fixed_stages])
+    axes = [np.arange(1, min(room[g], limit - (G - 1)) + 1) for g in range(G)]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, G)
+    total = grid.sum(axis=1)
+    return grid[(total <= limit) if num_stages is None else (total == num_stages)]
+
+
+def _order_blocks(ctx: CostContext, memo: dict, lay: _Layouts, orders: list[tuple[int, ...]], schedule: str,
+                  M: int) -> list[_Block]:
+    """One block per group order of ``lay``'s candidates under ``schedule``, with their bounds."""
+    sum_lb = _path_bound(ctx, memo, lay, schedule)
     blocks = []
-    for mbs in mbs_options:
-        per_dp = train.global_batch_size // mbs
-        dps = [planner.dp] if planner.dp is not None else [d for d in range(1, per_dp + 1) if per_dp % d == 0]
-        if planner.dp is not None and per_dp % planner.dp:
-            raise ConfigError(f"planner.dp={planner.dp} does not divide train.global_batch_size / microbatch "
-                              f"size = {train.global_batch_size} / {mbs} = {per_dp} samples per microbatch slot")
-        for dp in dps:
-            M = per_dp // dp
-            for tps in itertools.product(*tp_options):
-                room = [sizes[g] // (tps[g] * dp * ctx.cp) for g in range(G)]
-                if min(room) < 1:
-                    continue
-                if fixed_stages is not None:
-                    if any(fixed_stages[g] > room[g] for g in range(G)):
-                        continue
-                    grid = np.array([fixed_stages])
-                else:
-                    axes = [np.arange(1, min(room[g], max_stages) + 1) for g in range(G)]
-                    grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, G)
-                    total = grid.sum(axis=1)
-                    grid = grid[(total <= limit) if num_stages is None else (total == num_stages)]
-                if not len(grid):
-                    continue
-                units = [ctx.unit_costs(g, tps[g], mbs, bound_mode, False) for g in range(G)]
-                stage_lb, sum_lb = _balance_bounds([u.time_s for u in units], grid)
-                credit = schedule_model.max_weight_credit(schedule)
-                if credit is not None:
-                    sum_lb = _zero_bubble_path_bound(ctx, units, mbs, credit)
-                probe = Candidate(orders[0], tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
-                in_max, in_sum = _inner_links(ctx, probe, grid)
-                for order in orders:
-                    probe = Candidate(order, tuple(int(s) for s in grid[0]), tps, dp, mbs, M)
-                    cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
-                    c_max, c_sum = np.maximum(max(cross, default=0.0), in_max), 2 * sum(cross) + in_sum
-                    lb = (M - 1) * np.maximum(stage_lb, c_max) + sum_lb + c_sum
-                    if schedule_model.is_v_shaped(schedule):  # simulated: only the busiest rank's work bounds it
-                        lb = M * stage_lb
-                    blocks.append(_Block(order, tps, dp, mbs, M, grid, lb))
-    if not blocks:
-        raise ConfigError(_no_layout_message(ctx, num_stages, fixed_stages))
+    for order in orders:
+        probe = Candidate(order, tuple(int(s) for s in lay.grid[0]), lay.tps, lay.dp, lay.mbs, M)
+        cross = [ctx.link_s(probe, (a, 0), (b, 0)) for a, b in zip(order, order[1:])]
+        c_max, c_sum = np.maximum(max(cross, default=0.0), lay.in_max), 2 * sum(cross) + lay.in_sum
+        if schedule_model.is_v_shaped(schedule):  # simulated: only the busiest rank's work bounds it
+            blocks.append(_Block(order, lay.tps, lay.dp, lay.mbs, M, lay.grid, M * lay.stage_lb))
+            continue
+        lb = (M - 1) * np.maximum(lay.stage_lb, c_max) + sum_lb + c_sum
+        blocks.append(_Block(order, lay.tps, lay.dp, lay.mbs, M, lay.grid, lb, c_max, c_sum))
     return blocks
+
+
+def _path_bound(ctx: CostContext, memo: dict, lay: _Layouts, schedule: str) -> float:
+    """A lower bound on sum_k p_k of ``lay``'s candidates under ``schedule`` (zero bubble: less the W credit)."""
+    credit = schedule_model.max_weight_credit(schedule)
+    if credit is None:
+        return lay.unit_sum
+    key = ("path", lay.tps, lay.mbs, credit)
+    if key not in memo:
+        memo[key] = _zero_bubble_path_bound(ctx, lay.units, lay.mbs, credit)
+    return memo[key]
 
 
 def _inner_links(ctx: CostContext, probe: Candidate, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

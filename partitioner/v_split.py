@@ -34,7 +34,7 @@ and two MI325X ranks it found the best of all V splits at 8 layers and one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -146,24 +146,71 @@ def evaluate(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) 
 def starts(schedule: str, ctx: CostContext, cand: Candidate) -> list[list[int]]:
     """Where the climb begins: the split with the fastest slowest virtual stage,
     and even layers (the runtime's default split), where each is valid."""
-    layout = cand.layout()
-    P, U = len(layout), ctx.num_units
-    placement = Placement(schedule, P, 2)
-    found = []
-    time = np.stack([ctx.group_costs(layout[placement.rank_of(v)][0], cand.tp[layout[placement.rank_of(v)][0]],
-                                     cand.dp, cand.micro_batch_size, "none", False).time for v in range(2 * P)])
-    value, bounds = minimax(np.where(np.triu(np.ones((U + 1, U + 1), bool), 1), time, INF), with_bounds=True)
-    if np.isfinite(value):
-        found.append(list(bounds))
-    even = unit_bounds(even_split(ctx.model.num_layers, 2 * P))
-    if all(b > a for a, b in zip(even, even[1:])) and even not in found:
-        found.append(even)
-    return found
+    return StartSplits(schedule, ctx)(cand)
 
 
-def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) -> tuple[tuple[float, float], list[int]]:
+class StartSplits:
+    """:func:`starts` for the candidates of one problem. The minimax dynamic
+    program over virtual stages keeps each stage's state (best value per
+    boundary, and its choices) in a tree per (TP per group, microbatch size),
+    a path down it the groups of the stages so far: candidates whose first
+    virtual stages lie on the same groups share that work, and since a state
+    is the same operations on the same numbers, the splits are those
+    :func:`split.minimax` finds."""
+
+    def __init__(self, schedule: str, ctx: CostContext) -> None:
+        self.schedule, self.ctx = schedule, ctx
+        self._trees: dict = {}
+
+    def __call__(self, cand: Candidate) -> list[list[int]]:
+        P = len(cand.layout())
+        found = []
+        value, bounds = self._minimax(cand)
+        if np.isfinite(value):
+            found.append(bounds)
+        even = unit_bounds(even_split(self.ctx.model.num_layers, 2 * P))
+        if all(b > a for a, b in zip(even, even[1:])) and even not in found:
+            found.append(even)
+        return found
+
+    def _minimax(self, cand: Candidate) -> tuple[float, list[int]]:
+        """split.minimax(..., with_bounds=True) over the V's virtual stages, each on its rank's group."""
+        layout = cand.layout()
+        placement = Placement(self.schedule, len(layout), 2)
+        node = self._trees.setdefault((cand.tp, cand.micro_batch_size), {})
+        state, choices = None, []
+        for v in range(2 * len(layout)):
+            g = layout[placement.rank_of(v)][0]
+            if g not in node:
+                node[g] = (self._step(cand, g, state), {})
+            state, node = node[g]
+            choices.append(state[1])
+        N = len(state[0])
+        bounds = [N - 1]
+        for arg in reversed(choices[1:]):
+            bounds.append(int(arg[bounds[-1]]))
+        bounds.append(0)
+        return float(state[0][N - 1]), bounds[::-1]
+
+    def _step(self, cand: Candidate, g: int, state) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """The (best value per boundary, choice per boundary) after one more
+        virtual stage on group ``g`` (the first where ``state`` is None)."""
+        # A stage's time without recomputation, INF on and below the diagonal (as starts' matrix).
+        cost = self.ctx.group_costs(g, cand.tp[g], cand.dp, cand.micro_batch_size, "none", False).time
+        if state is None:
+            return cost[0].copy(), None
+        total = np.maximum(state[0][:, None], cost)
+        arg = np.argmin(total, axis=0)
+        return total[arg, np.arange(len(arg))], arg
+
+
+def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int],
+          ruled_out: Optional[Callable[[list[int], float], bool]] = None) -> tuple[tuple[float, float], list[int]]:
     """Move one boundary by one unit at a time while (memory overflow, step)
-    falls; the best (overflow, step) and its boundaries."""
+    falls; the best (overflow, step) and its boundaries. ``ruled_out(cuts,
+    step)``, where given, says a split's step is certainly no less than
+    ``step`` (a lower bound's word): such a move is not priced once the best
+    fits, as it cannot be taken."""
     links = message_s(ctx, cand)
     seen: dict[tuple[int, ...], tuple[float, float]] = {}
 
@@ -184,6 +231,8 @@ def climb(schedule: str, ctx: CostContext, cand: Candidate, cuts: list[int]) -> 
                 if not trial[idx - 1] < trial[idx] < trial[idx + 1]:
                     continue
                 moves += 1
+                if ruled_out is not None and best[0] == 0 and ruled_out(trial, best[1]):
+                    continue
                 value = score(trial)
                 if value < best:
                     best, cuts, improved = value, trial, True

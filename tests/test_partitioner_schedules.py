@@ -17,11 +17,13 @@ from hetpipe.training.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.plan import format_solution
 from hetpipe.models import build_model, model_preset
-from hetpipe.partitioner import schedule_model, v_split, v_timing
+from hetpipe.partitioner import schedule_model, solver, v_search, v_split, v_timing
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.solver import solve
-from hetpipe.partitioner.split import step_time_s
+from hetpipe.partitioner.plan_data import even_split, unit_bounds
+from hetpipe.partitioner.split import minimax, step_time_s
+from hetpipe.partitioner.v_bounds import VBounds
 from hetpipe.schema.pretrain_config import TrainConfig
 from hetpipe.pipeline.placement import Placement
 from hetpipe.pipeline.schedule_check import simulate
@@ -195,6 +197,123 @@ def test_v_split_search_is_within_a_percent_of_every_split(layers):
     first, second = plan.stages[0].group, plan.stages[2].group
     assert first != second
     assert [s.group for s in plan.stages] == [first] * 2 + [second] * 4 + [first] * 2
+
+
+def _random_v_problem(rng) -> CostContext:
+    """A small random zb_v problem: 1-3 groups, 4-9 layers, memories that leave some splits out."""
+    devices = ["H100", "H200", "MI300X", "MI325X"]
+    groups = [GroupConfig(name=f"g{g}", vendor="nvidia", device_type=str(rng.choice(devices)),
+                          nodes=int(rng.integers(1, 3)), ranks_per_node=int(rng.choice([1, 2, 4])))
+              for g in range(int(rng.integers(1, 4)))]
+    model = dataclasses.replace(MODEL, num_layers=int(rng.integers(4, 10)))
+    train = TrainConfig(micro_batch_size=1, global_batch_size=int(rng.choice([4, 8, 16])),
+                        seq_length=int(rng.choice([2048, 8192])))
+    catalog = {d: {"memory_gib": float(rng.uniform(12, 80))} for d in devices}
+    planner = PlannerConfig(catalog=catalog, schedule="zb_v", distributed_optimizer=bool(rng.integers(0, 2)))
+    return CostContext(model, ClusterConfig(name="random", groups=groups), train, planner)
+
+
+def test_v_bounds_lie_below_the_simulated_steps():
+    """What the V search skips by (partitioner/v_bounds.py): a candidate's bound
+    lies below every V split's simulated step, a split's bounds below its own."""
+    rng = np.random.default_rng(31)
+    checked = 0
+    for _ in range(8):
+        ctx = _random_v_problem(rng)
+        bounds = VBounds(ctx, "zb_v")
+        blocks = solver._enumerate(ctx, None, "zb_v")
+        # Many blocks' rows in one pass, in shuffled subsets: each row's bound is its own.
+        wanted = [(block, rng.permutation(len(block.stages))[:int(rng.integers(1, len(block.stages) + 1))])
+                  for block in blocks]
+        for (block, rows), together in list(zip(wanted, bounds.blocks(wanted)))[::7]:
+            for row, bound in list(zip(rows, together.T))[:2]:
+                assert bound == pytest.approx(bounds.blocks([(block, np.array([row]))])[0][:, 0], rel=1e-9)
+        for block in blocks:
+            rows = np.arange(len(block.stages))
+            for row, bound in zip(rows, bounds.blocks([(block, rows)])[0].sum(axis=0)):
+                cand = block.candidate(row)
+                links = v_split.message_s(ctx, cand)
+                for cuts in _some_v_splits(rng, ctx.num_units, len(cand.layout())):
+                    split, _ = v_split.evaluate("zb_v", ctx, cand, cuts)
+                    if split is None:
+                        continue
+                    for low in (bound, bounds.start(cand, cuts, links), bounds.timed(cand, cuts, links)):
+                        assert low <= split.step_s * (1 + 1e-12)
+                    checked += 1
+    assert checked > 300
+
+
+def _some_v_splits(rng, U: int, P: int, count: int = 1) -> list[list[int]]:
+    """``count`` random splits of U units into 2P virtual stages, and the most even one."""
+    even = [round(i * U / (2 * P)) for i in range(2 * P + 1)]
+    picks = [sorted(rng.choice(np.arange(1, U), 2 * P - 1, replace=False).tolist()) for _ in range(count)]
+    return [even] + [[0, *inner, U] for inner in picks]
+
+
+def test_v_search_climbs_from_the_walks_own_best_starts():
+    """The bounded walk (v_search._Walk) ends where simulating every start ends,
+    with the same three best starts (or least overflowing ones) to climb."""
+    rng = np.random.default_rng(32)
+    for _ in range(10):
+        ctx = _random_v_problem(rng)
+        try:
+            blocks = solver._enumerate(ctx, None, "zb_v")
+        except ConfigError:
+            continue
+        every = v_search.plain_walk("zb_v", ctx, blocks, lambda cand: v_split.starts("zb_v", ctx, cand))
+        walk = v_search._Walk("zb_v", ctx, blocks, VBounds(ctx, "zb_v"))
+        walk.settle()
+        assert v_search.finalists(*walk.results()[:2]) == v_search.finalists(*every[:2])
+
+
+def test_v_start_splits_are_the_minimax_split_and_even_layers():
+    """StartSplits shares the minimax program's states between candidates: the
+    same splits as split.minimax over each candidate's own stacked stages."""
+    rng = np.random.default_rng(33)
+    for _ in range(6):
+        ctx = _random_v_problem(rng)
+        try:
+            blocks = solver._enumerate(ctx, None, "zb_v")
+        except ConfigError:
+            continue
+        shared = v_split.StartSplits("zb_v", ctx)
+        for block in blocks:
+            for row in range(len(block.stages)):
+                cand = block.candidate(row)
+                assert shared(cand) == _reference_starts(ctx, cand)
+
+
+def _reference_starts(ctx: CostContext, cand: Candidate) -> list[list[int]]:
+    layout = cand.layout()
+    P, U = len(layout), ctx.num_units
+    placement = Placement("zb_v", P, 2)
+    groups = [layout[placement.rank_of(v)][0] for v in range(2 * P)]
+    time = np.stack([ctx.group_costs(g, cand.tp[g], cand.dp, cand.micro_batch_size, "none", False).time
+                     for g in groups])
+    value, bounds = minimax(np.where(np.triu(np.ones((U + 1, U + 1), bool), 1), time, np.inf), with_bounds=True)
+    found = [list(bounds)] if np.isfinite(value) else []
+    even = unit_bounds(even_split(ctx.model.num_layers, 2 * P))
+    return found + ([even] if all(b > a for a, b in zip(even, even[1:])) and even not in found else [])
+
+
+def test_v_climb_skips_only_moves_that_cannot_be_taken():
+    """The climb with a lower bound to rule moves out ends where it ends without one."""
+    rng = np.random.default_rng(34)
+    climbed = 0
+    for _ in range(8):
+        ctx = _random_v_problem(rng)
+        try:
+            blocks = solver._enumerate(ctx, None, "zb_v")
+        except ConfigError:
+            continue
+        bounds = VBounds(ctx, "zb_v")
+        for block in blocks[:4]:
+            cand = block.candidate(0)
+            for cuts in v_split.starts("zb_v", ctx, cand):
+                plain = v_split.climb("zb_v", ctx, cand, list(cuts))
+                assert v_split.climb("zb_v", ctx, cand, list(cuts), v_search._ruled_out(ctx, bounds, cand)) == plain
+                climbed += 1
+    assert climbed > 10
 
 
 def test_zb_v_is_planned_and_chosen_when_fastest():

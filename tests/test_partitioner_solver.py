@@ -18,7 +18,8 @@ from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.profile import PROFILE_FORMAT, profile_shape
 from hetpipe.partitioner.schedule_model import memory_rows, schedules_for
 from hetpipe.partitioner.solver import plan_for, solve
-from hetpipe.partitioner.split import best_split
+from hetpipe.partitioner.candidate_bounds import ContiguousBounds
+from hetpipe.partitioner.split import _min_sum, best_split, minimax
 
 
 def paper_cluster(**transport) -> ClusterConfig:
@@ -83,6 +84,78 @@ def test_search_equals_exhaustive_enumeration_on_random_clusters():
         assert got.step_s == pytest.approx(expected, rel=1e-12)
         checked += 1
     assert checked >= 10
+
+
+def _random_problem(rng, schedule: str):
+    """A small random planning problem; some draws give two groups the same
+    devices, so that candidates tie."""
+    devices = ["H100", "H200", "MI300X", "MI325X"]
+    groups = [GroupConfig(name=f"g{g}", vendor="nvidia", device_type=str(rng.choice(devices)),
+                          nodes=int(rng.integers(1, 3)), ranks_per_node=int(rng.choice([1, 2, 4])))
+              for g in range(int(rng.integers(1, 4)))]
+    model = model_preset("llama8b", num_layers=int(rng.integers(3, 8)))
+    train = TrainConfig(micro_batch_size=1, global_batch_size=int(rng.choice([4, 8, 16])),
+                        seq_length=int(rng.choice([2048, 8192])))
+    catalog = {d: {"memory_gib": float(rng.uniform(12, 60))} for d in devices}
+    planner = PlannerConfig(catalog=catalog, micro_batch_sizes=[1, 2], schedule=schedule,
+                            distributed_optimizer=bool(rng.integers(0, 2)))
+    return CostContext(model, ClusterConfig(name="random", groups=groups), train, planner)
+
+
+def _first_of_the_fastest(ctx, blocks, schedule):
+    """Every candidate's best split, without bounds: the fastest, the first of
+    equally fast ones in the balance bound's stable order."""
+    lbs = np.concatenate([b.lower_bounds for b in blocks])
+    starts = np.cumsum([0] + [len(b.lower_bounds) for b in blocks])
+    best = None
+    for pos in np.argsort(lbs, kind="stable"):
+        bi = int(np.searchsorted(starts, pos, side="right")) - 1
+        cand = blocks[bi].candidate(int(pos - starts[bi]))
+        prob = ctx.problem(cand, schedule)
+        split = best_split(prob.time, prob.sync, prob.feasible, cand.num_microbatches, prob.links, prob.path)
+        if split is not None and (best is None or split.step_s < best[1].step_s):
+            best = (cand, split)
+    return best
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "gpipe"])
+def test_search_finds_the_first_of_the_fastest_candidates_and_its_split(schedule):
+    rng = np.random.default_rng({"1f1b": 11, "zb_h1": 12, "gpipe": 13}[schedule])
+    for _ in range(6):
+        ctx = _random_problem(rng, schedule)
+        blocks = solver._enumerate(ctx, None, schedule)
+        expected = _first_of_the_fastest(ctx, blocks, schedule)
+        got, _ = solver._search(ctx, blocks, None, schedule)
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert got[0] == expected[0] and got[1] == expected[1]
+
+
+def test_candidate_bounds_lie_below_each_splits_first_bound():
+    """The search skips a candidate whose bound (candidate_bounds.py) reaches the
+    best step: the bound must lie below best_split's own first bound."""
+    rng = np.random.default_rng(21)
+    checked = 0
+    for schedule in ["1f1b", "zb_h1", "gpipe"] * 3:
+        ctx = _random_problem(rng, schedule)
+        tables = ContiguousBounds(ctx)
+        for block in solver._enumerate(ctx, None, schedule):
+            bounds = tables.block(schedule, block, np.arange(len(block.stages)))
+            for row, bound in enumerate(bounds):
+                prob = ctx.problem(block.candidate(row), schedule)
+                first = _first_bound(prob, block.num_microbatches)
+                assert bound <= first + 1e-12 * abs(first) or not np.isfinite(first)
+                checked += np.isfinite(first)
+    assert checked > 500
+
+
+def _first_bound(prob, num_microbatches):
+    """split.best_split's first test: (M-1) max(min max t, c_max) + min sum p + 2 sum c + min max a."""
+    N = prob.time.shape[1]
+    valid = prob.feasible & np.triu(np.ones((N, N), dtype=bool), 1)
+    t, a, p = (np.where(valid, x, np.inf) for x in (prob.time, prob.sync, prob.path))
+    return (num_microbatches - 1) * max(minimax(t), max(prob.links, default=0.0)) + _min_sum(p)[0] \
+        + 2 * sum(prob.links) + minimax(a)
 
 
 def _stage_memory_bytes(solution, planner, train):
