@@ -25,13 +25,13 @@ def _free(addr, mib):
 
 
 def test_the_report_names_what_was_alive_at_the_peak_not_at_the_end():
-    fwd = (("models/layers.py", 256, "forward"), ("pipeline/engine.py", 240, "_forward"))
-    recv = (("pipeline/engine.py", 209, "_post_receives"), ("pipeline/engine.py", 215, "_receive"))
+    fwd = (("models/layers.py", 256, "forward"), ("training/engine.py", 240, "_forward"))
+    recv = (("training/engine.py", 209, "_post_receives"), ("training/engine.py", 215, "_receive"))
     trace = [
         _alloc(1, 100, *fwd), _alloc(2, 100, *fwd),
         _alloc(3, 64, *recv),
         _free(900, 50),                     # a block from before the step (an old gradient)
-        _alloc(4, 300, ("models/loss.py", 80, "chunked_loss"), ("pipeline/engine.py", 250, "_forward")),
+        _alloc(4, 300, ("models/loss.py", 80, "chunked_loss"), ("training/engine.py", 250, "_forward")),
         # the peak: 100 + 100 + 64 - 50 + 300 = 514 MiB over the step's start
         _free(4, 300), _free(1, 100),
         _alloc(5, 200, *fwd),               # 314 at most afterwards: not the peak

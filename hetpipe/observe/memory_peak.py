@@ -32,7 +32,7 @@ from hetpipe.process.torch_compat import allocator_snapshot, record_allocator_hi
 GIB = 2**30
 # Frames of these files are the library's, not a place a user can act on.
 _LIBRARY = ("/torch/", "/contextlib.py", "/threading.py", "<frozen", "/functools.py")
-_ENGINE = "pipeline/engine.py"
+_ENGINE = "training/engine.py"
 # A step's allocator history: far more than a LLaMA-3-8B PP2 step at seq 8192
 # makes (each entry is a few hundred bytes without C++ frames).
 _MAX_ENTRIES = 2_000_000
