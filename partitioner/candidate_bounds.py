@@ -156,9 +156,9 @@ class ContiguousBounds:
         c_sum per row) under the contiguous ``schedule`` (module docstring);
         -inf for a single stage, whose costs differ (a tied head shares the embedding)."""
         tau, sync = self._minimax_terms(block)
-        path = self._path_term(schedule, block)
+        path = self._path_term(schedule, block, rows)
         M1 = block.num_microbatches - 1
-        bound = M1 * np.maximum(tau[rows], block.c_max[rows]) + path[rows] + block.c_sum[rows] + sync[rows]
+        bound = M1 * np.maximum(tau[rows], block.c_max[rows]) + path + block.c_sum[rows] + sync[rows]
         return np.where(block.stages[rows].sum(axis=1) > 1, bound, -INF)
 
     def _minimax_terms(self, block) -> tuple[np.ndarray, np.ndarray]:
@@ -171,17 +171,20 @@ class ContiguousBounds:
             self._terms[key] = (tau, sync, block.stages)  # the grid is kept so that its id stays its own
         return self._terms[key][:2]
 
-    def _path_term(self, schedule: str, block) -> np.ndarray:
-        """Per row of the block, min over splits of sum_k p_k under ``schedule``."""
+    def _path_term(self, schedule: str, block, rows: np.ndarray) -> np.ndarray:
+        """Per row of ``rows``, min over splits of sum_k p_k under ``schedule``.
+        Without weight credit it is the same under every schedule: kept per
+        block, for all its rows; with it, it depends on the schedule and the
+        microbatches, and only ``rows`` are priced."""
         stages = block.stages[:, list(block.order)]
-        kappa = self._kappa(schedule, stages.sum(axis=1), block.num_microbatches)
-        credited = bool(kappa.any())
-        key = ("path", block.order, block.tp, block.micro_batch_size, id(block.stages)) + \
-            ((schedule, block.num_microbatches) if credited else ())
+        units = self._units(block.order, block.tp, block.micro_batch_size)
+        kappa = self._kappa(schedule, stages[rows].sum(axis=1), block.num_microbatches)
+        if kappa.any():
+            return least_path_sum(*units, stages[rows], kappa)
+        key = ("path", block.order, block.tp, block.micro_batch_size, id(block.stages))
         if key not in self._terms:
-            self._terms[key] = (least_path_sum(*self._units(block.order, block.tp, block.micro_batch_size), stages,
-                                               kappa), block.stages)
-        return self._terms[key][0]
+            self._terms[key] = (least_path_sum(*units, stages, np.zeros(len(stages))), block.stages)
+        return self._terms[key][0][rows]
 
     def _time(self, g: int, tp: int, mbs: int) -> MinimaxTables:
         """A stage's time in group g without recomputation (INF on and below the

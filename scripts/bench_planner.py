@@ -15,10 +15,14 @@ cluster.groups.0.nodes=N cluster.groups.1.nodes=N train...``, imports
 included, each run in a fresh interpreter (on the same core); ``--set``
 adds overrides to it and ``--plan-defaults`` leaves the train shape at the
 plan config's defaults (seq 128, global batch 16, microbatch 4).
+``--issue-44`` is issue 44's case, the whole command for 1024 GPUs at seq
+4096, microbatch 1, global batch 128 with ``planner.schedule=auto``
+(docs/benchmarks.md has its rows by date).
 
     python scripts/bench_planner.py [--model llama8b] [--seq-length 8192] [--global-batch-size 1024]
                                     [--schedule auto] [--gpus 16 1024] [--repeats 3]
     python scripts/bench_planner.py --cli [--plan-defaults] [--set planner.tp=1 ...]
+    python scripts/bench_planner.py --issue-44 [--plan-defaults] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -117,6 +121,14 @@ def solution_words(solution, cluster: ClusterConfig) -> str:
             f"{'/'.join(st.recompute for st in solution.stages)}, layers {layers}")
 
 
+def issue_44(args: argparse.Namespace) -> argparse.Namespace:
+    """``--issue-44``'s command: the whole plan command for 1024 GPUs in issue 44's shape."""
+    if args.issue_44:
+        args.cli, args.gpus, args.schedule = True, [1024], "auto"
+        args.seq_length, args.micro_batch_size, args.global_batch_size = 4096, 1, 128
+    return args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama8b")
@@ -129,7 +141,10 @@ def main() -> None:
     parser.add_argument("--cli", action="store_true", help="time the whole python -m hetpipe.plan command")
     parser.add_argument("--plan-defaults", action="store_true", help="--cli: the plan config's train shape")
     parser.add_argument("--set", action="append", default=[], metavar="OVERRIDE", help="--cli: one more override")
-    args = parser.parse_args()
+    parser.add_argument("--issue-44", action="store_true",
+                        help="--cli --gpus 1024 --seq-length 4096 --micro-batch-size 1 --global-batch-size 128 "
+                             "--schedule auto: issue 44's case")
+    args = issue_44(parser.parse_args())
     if (args.plan_defaults or args.set) and not args.cli:
         parser.error("--plan-defaults and --set shape the command of --cli")
     if hasattr(os, "sched_setaffinity"):
