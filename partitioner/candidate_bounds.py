@@ -6,11 +6,13 @@ by a cheap balance bound and solves each one's split
 
     (M - 1) * max(min max t, c_max) + min sum p + 2 sum c + min max a
 
-over the candidate's own (P, U+1, U+1) matrices. At 1024 GPUs nearly every
-solved candidate stops there, so building its matrices was the cost. This
+over the candidate's own (P, U+1, U+1) matrices. Most candidates stop
+there, so building their matrices was most of the search's time
+(docs/benchmarks.md, 2026-11-28, "Planning 1024 GPUs in under 5 s"). This
 module computes a bound below that test without them: every stage of a group
-is priced by the group's matrices without recomputation (recomputation only
-adds time; memory is left out, which only admits more splits), so the
+is priced by the group's own matrices, each range at its cheapest
+recomputation mode (without recomputation, unless a noisy profile says
+otherwise; memory is left out, which only admits more splits), so the
 stages of one group are alike and each minimum over splits needs only
 per-group tables:
 
@@ -21,7 +23,8 @@ per-group tables:
 * ``min sum p``: the stage costs add up, p_k = t_k - kappa w_k after the
   first stage (schedule_model.weight_credit), so the sum depends only on
   where each group's units begin and on the first stage's end, which is best
-  at one unit (w >= 0): :func:`least_path_sum`.
+  at one unit (w >= 0; a negative w, from a noisy profile, leaves the block
+  without this bound): :func:`least_path_sum`.
 
 Each term is at most the split's own, so the bound is at most that test and
 at most the candidate's best step: a candidate whose bound reaches the best
@@ -179,6 +182,8 @@ class ContiguousBounds:
         stages = block.stages[:, list(block.order)]
         units = self._units(block.order, block.tp, block.micro_batch_size)
         kappa = self._kappa(schedule, stages[rows].sum(axis=1), block.num_microbatches)
+        if kappa.any() and min(w.min() for w in units[1]) < 0:
+            return np.full(len(rows), -INF)  # a noisy profile's negative W: least_path_sum needs W >= 0
         if kappa.any():
             return least_path_sum(*units, stages[rows], kappa)
         key = ("path", block.order, block.tp, block.micro_batch_size, id(block.stages))
@@ -187,11 +192,12 @@ class ContiguousBounds:
         return self._terms[key][0][rows]
 
     def _time(self, g: int, tp: int, mbs: int) -> MinimaxTables:
-        """A stage's time in group g without recomputation (INF on and below the
-        diagonal); it does not depend on DP."""
+        """A stage's time in group g at its least over the recomputation modes
+        (INF on and below the diagonal); it does not depend on DP."""
         key = ("time", g, tp, mbs)
         if key not in self._tables:
-            self._tables[key] = MinimaxTables(self.ctx.group_costs(g, tp, 1, mbs, "none", False).time)
+            times = [self.ctx.group_costs(g, tp, 1, mbs, m, False).time for m in self.ctx.recompute_modes]
+            self._tables[key] = MinimaxTables(np.min(times, axis=0))
         return self._tables[key]
 
     def _sync(self, g: int, tp: int, dp: int, mbs: int) -> MinimaxTables:
@@ -203,11 +209,15 @@ class ContiguousBounds:
         return self._tables[key]
 
     def _units(self, order: tuple[int, ...], tps: tuple[int, ...], mbs: int) -> tuple[list, list]:
-        """Per group in pipeline order, its units' t and W (as group_costs prices them)."""
-        units = [self.ctx.unit_costs(g, tps[g], mbs, "none", False) for g in order]
+        """Per group in pipeline order, its units' t at its least over the
+        recomputation modes, and W (as group_costs prices it, from the units
+        without recomputation)."""
+        modes = self.ctx.recompute_modes
+        times = [np.min([self.ctx.unit_costs(g, tps[g], mbs, m, False).time_s for m in modes], axis=0) for g in order]
+        base = [self.ctx.unit_costs(g, tps[g], mbs, "none", False) for g in order]
         weights = [schedule_model.weight_backward_s(self.ctx.model, mbs, self.ctx.train.seq_length, u.forward_s,
-                                                    u.backward_s) for u in units]
-        return [u.time_s for u in units], weights
+                                                    u.backward_s) for u in base]
+        return times, weights
 
     @staticmethod
     def _kappa(schedule: str, P: np.ndarray, num_microbatches: int) -> np.ndarray:

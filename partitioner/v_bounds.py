@@ -275,7 +275,14 @@ def _fit(x: np.ndarray, axis: int, size: int) -> np.ndarray:
 
 def _bound(x: _Inputs, num_layers: int) -> np.ndarray:
     """(2, n): per row, the water levels of the slowest path and of the slowest
-    sync (module docstring)."""
+    sync (module docstring); -inf where a unit's time is negative (a noisy
+    profile), as more layers could then cost less."""
+    signed = (x.layer[:, :, :3] < 0).any(axis=(1, 2)) | (x.emb[:, :3] < 0).any(axis=1) | (x.head[:, :3] < 0).any(axis=1)
+    return np.where(signed, -INF, _levels(x, num_layers))
+
+
+def _levels(x: _Inputs, num_layers: int) -> np.ndarray:
+    """_bound's water levels, for non-negative unit times."""
     ranks = _Ranks(x.stages, num_layers)
     layer = np.moveaxis(np.take_along_axis(x.layer, ranks.group[:, :, None], axis=1), 2, 0)  # (4, n, P)
     first = ranks.r == 0

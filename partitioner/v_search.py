@@ -6,8 +6,9 @@ balance bound (``lower_bounds``, stable), each one's starting splits
 reaches the best start's step found before it; the three best starts of the
 walk (by step, then the order they were found in; where fewer fit, the
 least overflowing) are then climbed. Simulating every start of the walk
-was most of the planner's time at 1024 GPUs, so :func:`search` computes the
-same walk's end and the same three starts from lower bounds
+was most of the planner's time (docs/benchmarks.md, 2026-11-28, "Planning
+1024 GPUs in under 5 s"), so :func:`search` computes the same walk's end
+and the same three starts from lower bounds
 (partitioner/v_bounds.py), simulating only the starts those bounds cannot
 rule out:
 
