@@ -43,7 +43,7 @@ from hetpipe.models.train_modes import RECOMPUTE_MODES
 import hetpipe.partitioner.schedule_model as schedule_model
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.plan_data import even_split, unit_bounds
-from hetpipe.partitioner.split import INF, Split, minimax
+from hetpipe.partitioner.split import Split
 from hetpipe.partitioner.v_timing import makespan
 from hetpipe.pipeline.placement import Placement
 
