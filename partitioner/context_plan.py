@@ -43,18 +43,24 @@ def fastest_over_cp(solve_at: Callable, cluster: ClusterConfig, seq_length: int,
     """The fastest of ``solve_at(cp, beat)`` over the degrees (ties to the
     smaller degree). After the first plan a degree searches only candidates
     whose lower bound beats it (``beat``: exact, and most are pruned unseen).
-    Where none fits, the error of the first degree that raised."""
+    Where none fits, the error of the smallest degree that raised.
+
+    The largest degree goes first: where planning is slow (many GPUs, long
+    sequences) a large degree tends to win and its step prunes the smaller
+    degrees' searches, zb_v's walk included (docs/benchmarks.md, "Planning
+    1024 GPUs with context parallelism's degrees"). A later degree is smaller,
+    so it is searched for a step at most the best one (a tie goes to it)."""
     best, error, tried = None, None, []
-    for cp in planned_cp_degrees(cluster, seq_length, fixed):
+    for cp in reversed(planned_cp_degrees(cluster, seq_length, fixed)):
         try:
-            found = solve_at(cp, INF if best is None else best.step_s * (1 - 1e-9))
+            found = solve_at(cp, INF if best is None else best.step_s + abs(best.step_s) * 1e-9)
         except ConfigError as exc:
-            error = error or exc
+            error = exc
             continue
         if found is None:
             continue
-        tried.append(found)
-        if best is None or found.step_s < best.step_s * (1 - 1e-9):  # zb_v's climb may end above beat
+        tried.insert(0, found)
+        if best is None or found.step_s <= best.step_s + abs(best.step_s) * 1e-9:  # zb_v's climb may end above beat
             best = found
     if best is None:
         raise error

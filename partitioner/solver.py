@@ -100,7 +100,7 @@ def solve(model: ModelConfig, cluster: ClusterConfig, train: TrainShape,
             continue
         lean = lean or (blocks, schedule)  # the first schedule keeps the fewest microbatches
         if schedule_model.is_v_shaped(schedule):
-            best, count = v_search.search(schedule, ctx, blocks, fixed)
+            best, count = v_search.search(schedule, ctx, blocks, fixed, beat=beat)
         else:
             best, count = _search(ctx, blocks, fixed, schedule, tables, beat)
         if best is not None and best[1].step_s >= beat:

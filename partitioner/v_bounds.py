@@ -275,9 +275,13 @@ def _fit(x: np.ndarray, axis: int, size: int) -> np.ndarray:
 
 def _bound(x: _Inputs, num_layers: int) -> np.ndarray:
     """(2, n): per row, the water levels of the slowest path and of the slowest
-    sync (module docstring); -inf where a unit's time is negative (a noisy
-    profile), as more layers could then cost less."""
-    signed = (x.layer[:, :, :3] < 0).any(axis=(1, 2)) | (x.emb[:, :3] < 0).any(axis=1) | (x.head[:, :3] < 0).any(axis=1)
+    sync (module docstring); -inf where a decoder layer's time is negative
+    (a noisy profile), as more layers could then cost less. The embedding and
+    the head are one unit each, on rank 0 whatever the split, so a negative
+    part of theirs (H200's profiled head: its forward holds the loss and
+    outlasts its backward, so B = backward - W < 0) only adds a fixed term
+    to a path, which stays a bound."""
+    signed = (x.layer[:, :, :3] < 0).any(axis=(1, 2))
     return np.where(signed, -INF, _levels(x, num_layers))
 
 

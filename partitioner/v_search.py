@@ -44,14 +44,19 @@ FIRST_LOAD = 256
 
 
 def search(schedule: str, ctx: CostContext, blocks: list, fixed: Optional[list[int]],
-           bounds: Optional[VBounds] = None) -> tuple[Optional[tuple[Candidate, Split]], int]:
+           bounds: Optional[VBounds] = None, beat: float = INF) -> tuple[Optional[tuple[Candidate, Split]], int]:
     """The best (candidate, split) of ``blocks`` under the V ``schedule``, or None
-    if nothing fits, and how many candidates had a start simulated."""
+    if nothing fits, and how many candidates had a start simulated. With
+    ``beat``, None also where no split of any candidate can step below it
+    (the walk is then not taken: exact, as every split's step lies above its
+    candidate's bound)."""
     bounds = bounds or VBounds(ctx, schedule)
     if fixed is not None:
         scored, tight, solved = plain_walk(schedule, ctx, blocks, lambda cand: [fixed])
     else:
         walk = _Walk(schedule, ctx, blocks, bounds)
+        if not walk.may_beat(beat):
+            return None, 0
         walk.settle()
         scored, tight, solved = walk.results()
     return _climbed(schedule, ctx, finalists(scored, tight), fixed, bounds), solved
@@ -155,6 +160,18 @@ class _Walk:
         self.loaded = 0  # positions below it have their bound over all splits
         self.starts: dict[int, list[_Start]] = {}
         self.end = len(self.lb)
+
+    def may_beat(self, beat: float) -> bool:
+        """Whether a candidate's bound over all its splits lies below ``beat``:
+        loads bounds in the walk's order until one does, or until the balance
+        bounds (which rise along the walk) reach ``beat``."""
+        below = int(np.searchsorted(self.lb, beat, side="left"))
+        while True:
+            if (self.lower[:min(self.loaded, below)] < beat).any():
+                return True
+            if self.loaded >= below:
+                return False
+            self._load(self.loaded)
 
     def settle(self) -> None:
         """Refine until the walk's end and its three best starts are certain."""

@@ -355,6 +355,30 @@ def test_a_noisy_profiles_negative_times_leave_the_search_exact(tmp_path):
                 assert split is None or bound <= split.step_s
 
 
+def test_zb_v_search_below_a_step_finds_the_same_plan_or_rules_it_out():
+    """A later context-parallel degree searches zb_v only below the best step
+    so far: where the walk's plan beats it, the same plan; where every
+    candidate's bound reaches it, no walk at all (no start simulated)."""
+    rng = np.random.default_rng(31)
+    skipped = 0
+    for _ in range(8):
+        ctx = _random_problem(rng, "zb_v")
+        try:
+            blocks = solver._enumerate(ctx, None, "zb_v")
+        except ConfigError:
+            continue  # no V layout of this draw
+        whole, _ = v_search.search("zb_v", ctx, blocks, None)
+        if whole is None:
+            continue
+        step = whole[1].step_s
+        assert v_search.search("zb_v", ctx, blocks, None, beat=step * 1.001)[0] == whole
+        for beat in (step, step * 0.5, step * 0.01):
+            got, simulated = v_search.search("zb_v", ctx, blocks, None, beat=beat)
+            assert got is None or got == whole  # the walk's own plan, which the solver then drops
+            skipped += got is None and simulated == 0
+    assert skipped >= 3
+
+
 def test_transport_choice_changes_boundary_cost():
     model = model_preset("llama8b")
     train = TrainConfig(micro_batch_size=1, global_batch_size=128, seq_length=4096)
