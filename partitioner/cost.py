@@ -126,7 +126,7 @@ class Precision:
         """The trainer's rules: ``auto`` is bf16 on GPUs and fp32 on CPUs; fused
         elementwise kernels on GPUs unless whole layers are compiled; in bf16,
         gradient-accumulation fusion unless turned off or compiled
-        (hetpipe/training/trainer.py)."""
+        (hetpipe/training/rank_setup.py)."""
         device_type = "cpu" if spec.vendor == "cpu" else "cuda"
         mode = resolve_precision(precision, device_type)
         compiled = compiles_layers(compiled, mode == "fp8", device_type)

@@ -21,7 +21,7 @@ import yaml
 from hetpipe.errors import ConfigError
 from hetpipe.models.train_modes import RECOMPUTE_MODES
 from hetpipe.pipeline.placement import Placement
-from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec, several_chunks
+from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULES, Schedule, schedule_spec, several_chunks
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Plan:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"plan schedule {self.schedule!r} is not one of {tuple(SCHEDULES)}")
-        spec = schedule_spec(self.schedule)
+        spec = self.spec
         if self.num_chunks < 1 or len(self.stages) % self.num_chunks:
             raise ConfigError(f"plan has {len(self.stages)} stages, not a multiple of num_chunks={self.num_chunks}")
         spec.check_placement(self.num_chunks)
@@ -77,6 +77,11 @@ class Plan:
     def pipeline_size(self) -> int:
         """Pipeline ranks (P); virtual stages = P * num_chunks."""
         return len(self.stages) // self.num_chunks
+
+    @property
+    def spec(self) -> Schedule:
+        """The schedule's registry entry (hetpipe/pipeline/registry.py)."""
+        return schedule_spec(self.schedule)
 
     @property
     def placement(self) -> Placement:

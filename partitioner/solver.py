@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from hetpipe.pipeline.microbatches import microbatches_per_step
 from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
@@ -286,7 +287,7 @@ def _enumerate(ctx: CostContext, num_stages: Optional[int], schedule: str,
     blocks = []
     for mbs, dps in shapes:
         for dp in dps:
-            M = ctx.train.global_batch_size // mbs // dp
+            M = microbatches_per_step(ctx.train.global_batch_size, mbs, dp)
             for tps in itertools.product(*tp_options):
                 key = ("layouts", tps, dp, mbs, limit, num_stages)
                 if key not in memo:

@@ -30,7 +30,7 @@ import torch
 from hetpipe.checkpoint import CheckpointConfig, CheckpointSaver
 from hetpipe.models import build_model, model_preset
 from hetpipe.schema.pretrain_config import OptimizerConfig
-from hetpipe.training.trainer import build_optimizer
+from hetpipe.training.rank_setup import build_optimizer
 
 
 def _sync(device: torch.device) -> None:

@@ -97,7 +97,9 @@ from hetpipe.data import MicrobatchLoader, demo_corpus
 from hetpipe.models import build_model
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.fp8 import convert_to_fp8, torchao_fp8_format
-from hetpipe.training.trainer import build_optimizer, lr_at, seed_everything
+from hetpipe.training.determinism import seed_everything
+from hetpipe.training.rank_setup import build_optimizer
+from hetpipe.training.trainer import lr_at
 
 # Its options and stage modules sit beside this script (sys.path[0] when run as a script).
 from peer_options import (  # noqa: E402

@@ -16,7 +16,7 @@ from hetpipe.checkpoint import CheckpointConfig, CheckpointError, CheckpointSave
 from hetpipe.checkpoint.st_io import write_safetensors
 from hetpipe.models import build_model, model_preset
 from hetpipe.schema.pretrain_config import OptimizerConfig
-from hetpipe.training.trainer import build_optimizer
+from hetpipe.training.rank_setup import build_optimizer
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("one_thread")]
 

@@ -16,7 +16,7 @@ from hetpipe.checkpoint import (CheckpointConfig, CheckpointError, latest_checkp
                                 restore, save_checkpoint)
 from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.models import build_model, model_preset
-from hetpipe.training.trainer import build_optimizer
+from hetpipe.training.rank_setup import build_optimizer
 
 CPU = torch.device("cpu")
 LLAMA = model_preset("tiny_llama", hidden_size=64, ffn_hidden_size=160)

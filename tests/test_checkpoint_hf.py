@@ -15,7 +15,7 @@ from hetpipe.errors import ConfigError
 from hetpipe.export import export_hf
 from hetpipe.models import build_model, model_preset
 from hetpipe.models.hf import to_hf_config
-from hetpipe.training.trainer import build_optimizer
+from hetpipe.training.rank_setup import build_optimizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -25,7 +25,9 @@ from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.data import IndexedDatasetWriter, MicrobatchLoader
 from hetpipe.training.gradients import GradNormClipper
 from hetpipe.models import build_model, model_preset
-from hetpipe.training.trainer import build_optimizer, lr_at, seed_everything
+from hetpipe.training.determinism import seed_everything
+from hetpipe.training.rank_setup import build_optimizer
+from hetpipe.training.trainer import lr_at
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -267,7 +269,7 @@ import sys, torch, torch.distributed as dist
 from hetpipe.checkpoint import CheckpointConfig, save_checkpoint
 from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.models import build_model, model_preset
-from hetpipe.training.trainer import build_optimizer
+from hetpipe.training.rank_setup import build_optimizer
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 cfg = model_preset("tiny_llama", hidden_size=64, ffn_hidden_size=160)

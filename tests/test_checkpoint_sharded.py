@@ -28,7 +28,7 @@ from hetpipe.models.parallelize import parallelize_tensor
 from hetpipe.checkpoint.tp_slices import full_tensor, gather_full_state_dict, shard_fn
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.schema.pretrain_config import OptimizerConfig
-from hetpipe.training.trainer import build_optimizer
+from hetpipe.training.rank_setup import build_optimizer
 
 CTX = multiprocessing.get_context("spawn")
 CPU = torch.device("cpu")

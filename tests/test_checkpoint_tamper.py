@@ -20,7 +20,7 @@ from hetpipe.checkpoint import CheckpointConfig, CheckpointError, load_checkpoin
 from hetpipe.checkpoint.digest import SELF_CHECKSUM, manifest_digest
 from hetpipe.models import build_model, model_preset
 from hetpipe.schema.pretrain_config import OptimizerConfig
-from hetpipe.training.trainer import build_optimizer
+from hetpipe.training.rank_setup import build_optimizer
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 

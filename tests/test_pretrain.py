@@ -258,7 +258,7 @@ def test_receives_posted_ahead_default_to_one_on_nccl_boundaries_only():
 
     import torch
 
-    from hetpipe.training.trainer import _recv_ahead
+    from hetpipe.training.rank_setup import _recv_ahead
 
     cfg = resolve({"model": {"name": "m"}})
     gpu_nccl = SimpleNamespace(device=torch.device("cuda", 0), p2p_groups={(0, 1): object()})

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hetpipe.pipeline.microbatches import microbatches_per_step
 from hetpipe.data.blend import BlendSchedule
 from hetpipe.data.epochs import EpochOrder
 from hetpipe.errors import ConfigError
@@ -71,7 +72,7 @@ class GlobalBatchSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.consumed_samples = consumed_samples
-        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.num_microbatches = microbatches_per_step(global_batch_size, micro_batch_size, dp_size)
         self._orders = [EpochOrder(size, seed, stream) for stream, size in enumerate(sizes)]
         self._offsets = np.cumsum([0] + sizes[:-1])
         self._blend = BlendSchedule(self.weights or [1.0])

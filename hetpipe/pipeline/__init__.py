@@ -7,6 +7,8 @@ partitioner, the launcher, the doctor, checkpoints or the trainer.
 
 * :mod:`~hetpipe.pipeline.actions` - what one rank can do: forward,
   backward (or B and W), send, receive;
+* :mod:`~hetpipe.pipeline.microbatches` - how many microbatches a rank
+  runs per step (the sampler and the planner count with it);
 * :mod:`~hetpipe.pipeline.layouts` and :mod:`~hetpipe.pipeline.placement`
   - which virtual stage each (rank, chunk) holds: interleaved, or ZB-V's V;
 * :mod:`~hetpipe.pipeline.registry` - one entry per schedule: its

@@ -31,7 +31,6 @@ from hetpipe.training.memory_fit import ALLOCATOR_MARGIN, declared_capacity, fit
 from hetpipe.models.model_config import model_preset, preset_names
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.resolve import build_plan, with_recompute
-from hetpipe.pipeline.registry import schedule_spec
 
 
 def host_ranks(plan: Plan, cfg: Any) -> list[tuple[int, int]]:
@@ -117,7 +116,7 @@ def _alternatives(plan: Plan, cfg: Any) -> list[tuple[str, Plan, Any]]:
     only: a planned one brings its own), bf16-pure, and each smaller preset evenly split."""
     out = []
     if cfg.plan is None:
-        mode = "selective" if schedule_spec(plan.schedule).split_backward else "full"
+        mode = "selective" if plan.spec.split_backward else "full"
         stages = [dataclasses.replace(s, recompute=mode, recompute_num_layers=None) for s in plan.stages]
         out.append((f"train.recompute={mode}", dataclasses.replace(plan, stages=stages), cfg))
     if cfg.train.precision != "bf16-pure":

@@ -42,7 +42,6 @@ import torch
 from hetpipe.errors import EXIT_OUT_OF_MEMORY, ConfigError, OutOfDeviceMemory
 from hetpipe.partitioner.plan_data import Plan
 from hetpipe.partitioner.plan_memory import planned_capacity_gib, predicted_memory_gib
-from hetpipe.pipeline.registry import schedule_spec
 
 GIB = 2**30
 NOTE_KEY = "predicted_memory_gib"
@@ -187,7 +186,7 @@ def _least_recompute(plan: Plan, cfg: Any, group: str, capacity: Capacity
     """The least recomputation of every stage that brings ``group``'s stages inside
     ``capacity`` (their devices are alike): (mode, its largest prediction there, True);
     else the leanest mode's (mode, prediction, False); no prediction: (mode, None, False)."""
-    modes = ("selective",) if schedule_spec(plan.schedule).split_backward else ("selective", "full")
+    modes = ("selective",) if plan.spec.split_backward else ("selective", "full")
     physical = plan.stages[:plan.pipeline_size]  # predictions are per pipeline rank
     largest: Optional[float] = None
     for mode in modes:
