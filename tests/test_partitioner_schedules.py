@@ -17,7 +17,7 @@ from hetpipe.training.engine import PipelineEngine
 from hetpipe.errors import ConfigError
 from hetpipe.plan import format_solution
 from hetpipe.models import build_model, model_preset
-from hetpipe.partitioner import schedule_model, solver, v_search, v_split, v_timing
+from hetpipe.partitioner import candidates, schedule_model, v_search, v_split, v_timing
 from hetpipe.partitioner.cost_context import Candidate, CostContext
 from hetpipe.partitioner.planner_config import PlannerConfig
 from hetpipe.partitioner.solver import solve
@@ -221,7 +221,7 @@ def test_v_bounds_lie_below_the_simulated_steps():
     for _ in range(8):
         ctx = _random_v_problem(rng)
         bounds = VBounds(ctx, "zb_v")
-        blocks = solver._enumerate(ctx, None, "zb_v")
+        blocks = candidates.enumerate_blocks(ctx, None, "zb_v")
         # Many blocks' rows in one pass, in shuffled subsets: each row's bound is its own.
         wanted = [(block, rng.permutation(len(block.stages))[:int(rng.integers(1, len(block.stages) + 1))])
                   for block in blocks]
@@ -255,7 +255,7 @@ def test_v_bounds_hold_with_h200s_profiled_head_whose_b_is_negative():
     bounds = VBounds(ctx, "zb_v")
     h200 = next(g for g, group in enumerate(_v_cluster().groups) if group.device_type == "H200")
     assert bounds.parts(h200, 1, 1)[1, -1] < 0 <= bounds.parts(h200, 1, 1)[1, 1:-1].min()
-    blocks = solver._enumerate(ctx, None, "zb_v")
+    blocks = candidates.enumerate_blocks(ctx, None, "zb_v")
     rng, checked = np.random.default_rng(35), 0
     for block in blocks:
         rows = np.arange(len(block.stages))
@@ -287,7 +287,7 @@ def test_v_search_climbs_from_the_walks_own_best_starts():
     for _ in range(10):
         ctx = _random_v_problem(rng)
         try:
-            blocks = solver._enumerate(ctx, None, "zb_v")
+            blocks = candidates.enumerate_blocks(ctx, None, "zb_v")
         except ConfigError:
             continue
         every = v_search.plain_walk("zb_v", ctx, blocks, lambda cand: v_split.starts("zb_v", ctx, cand))
@@ -303,7 +303,7 @@ def test_v_start_splits_are_the_minimax_split_and_even_layers():
     for _ in range(6):
         ctx = _random_v_problem(rng)
         try:
-            blocks = solver._enumerate(ctx, None, "zb_v")
+            blocks = candidates.enumerate_blocks(ctx, None, "zb_v")
         except ConfigError:
             continue
         shared = v_split.StartSplits("zb_v", ctx)
@@ -333,7 +333,7 @@ def test_v_climb_skips_only_moves_that_cannot_be_taken():
     for _ in range(8):
         ctx = _random_v_problem(rng)
         try:
-            blocks = solver._enumerate(ctx, None, "zb_v")
+            blocks = candidates.enumerate_blocks(ctx, None, "zb_v")
         except ConfigError:
             continue
         bounds = VBounds(ctx, "zb_v")

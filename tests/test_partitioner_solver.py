@@ -8,7 +8,7 @@ from hetpipe.devices.cluster import ClusterConfig, GroupConfig, TransportConfig
 from hetpipe.schema.pretrain_config import TrainConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models import model_preset
-from hetpipe.partitioner import solver, v_search, v_split
+from hetpipe.partitioner import candidates, solver, v_search, v_split
 from hetpipe.partitioner.v_bounds import VBounds
 from hetpipe.devices.catalog import catalog_with, device_spec
 from hetpipe.partitioner.cost import GIB, NetworkConfig, Precision, StageShape, unit_costs
@@ -45,7 +45,7 @@ def exhaustive(model, cluster, train, planner):
 def _exhaustive_at(ctx, planner):
     best = None
     for schedule in schedules_for(planner.schedule, planner.recompute):
-        for block in solver._enumerate(ctx, None, schedule):
+        for block in candidates.enumerate_blocks(ctx, None, schedule):
             for row in range(len(block.stages)):
                 cand = block.candidate(row)
                 prob = ctx.problem(cand, schedule)
@@ -124,7 +124,7 @@ def test_search_finds_the_first_of_the_fastest_candidates_and_its_split(schedule
     rng = np.random.default_rng({"1f1b": 11, "zb_h1": 12, "gpipe": 13}[schedule])
     for _ in range(6):
         ctx = _random_problem(rng, schedule)
-        blocks = solver._enumerate(ctx, None, schedule)
+        blocks = candidates.enumerate_blocks(ctx, None, schedule)
         expected = _first_of_the_fastest(ctx, blocks, schedule)
         got, _ = solver._search(ctx, blocks, None, schedule)
         assert (got is None) == (expected is None)
@@ -140,7 +140,7 @@ def test_candidate_bounds_lie_below_each_splits_first_bound():
     for schedule in ["1f1b", "zb_h1", "gpipe"] * 3:
         ctx = _random_problem(rng, schedule)
         tables = ContiguousBounds(ctx)
-        for block in solver._enumerate(ctx, None, schedule):
+        for block in candidates.enumerate_blocks(ctx, None, schedule):
             bounds = tables.block(schedule, block, np.arange(len(block.stages)))
             for row, bound in enumerate(bounds):
                 prob = ctx.problem(block.candidate(row), schedule)
@@ -338,9 +338,9 @@ def test_a_noisy_profiles_negative_times_leave_the_search_exact(tmp_path):
     ctx = CostContext(model, cluster, train, PlannerConfig(profile=str(path)))
     assert (ctx.unit_costs(0, 1, 1, "none", False).time_s < 0).any()
     for schedule in ("1f1b", "zb_h1", "gpipe"):
-        blocks = solver._enumerate(ctx, None, schedule)
+        blocks = candidates.enumerate_blocks(ctx, None, schedule)
         assert solver._search(ctx, blocks, None, schedule)[0] == _first_of_the_fastest(ctx, blocks, schedule)
-    blocks = solver._enumerate(ctx, None, "zb_v")
+    blocks = candidates.enumerate_blocks(ctx, None, "zb_v")
     every = v_search.plain_walk("zb_v", ctx, blocks, lambda cand: v_split.starts("zb_v", ctx, cand))
     walk = v_search._Walk("zb_v", ctx, blocks, VBounds(ctx, "zb_v"))
     walk.settle()
@@ -364,7 +364,7 @@ def test_zb_v_search_below_a_step_finds_the_same_plan_or_rules_it_out():
     for _ in range(8):
         ctx = _random_problem(rng, "zb_v")
         try:
-            blocks = solver._enumerate(ctx, None, "zb_v")
+            blocks = candidates.enumerate_blocks(ctx, None, "zb_v")
         except ConfigError:
             continue  # no V layout of this draw
         whole, _ = v_search.search("zb_v", ctx, blocks, None)
