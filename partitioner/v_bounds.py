@@ -166,7 +166,7 @@ class VBounds:
         micro_batch_size, num_microbatches and stages per group in cluster
         order): their least over layer counts, in one vectorised pass for
         all. Their sum bounds the step."""
-        parts = [self._inputs(block).take(rows) for block, rows in wanted if len(rows)]
+        parts = [self._inputs(block, rows) for block, rows in wanted if len(rows)]
         if not parts:
             return [np.zeros((2, 0)) for _ in wanted]
         bounds = iter(np.split(_bound(_Inputs.joined(parts), self.ctx.model.num_layers),
@@ -177,16 +177,11 @@ class VBounds:
         """The slowest rank's sync under the V split ``cuts`` of ``cand`` (as priced, up to rounding)."""
         return float(self._chunks(cand, cuts)[1].max())
 
-    def _inputs(self, block) -> "_Inputs":
-        """What :func:`_bound` needs of every row of ``block``, built once."""
-        key = ("inputs", id(block))
-        if key not in self._parts:
-            self._parts[key] = (self._build_inputs(block), block)  # the block kept so that its id stays its own
-        return self._parts[key][0]
-
-    def _build_inputs(self, block) -> "_Inputs":
-        n, order, mbs = len(block.stages), list(block.order), block.micro_batch_size
-        stages = block.stages[:, order]
+    def _inputs(self, block, rows: np.ndarray) -> "_Inputs":
+        """What :func:`_bound` needs of ``rows`` of ``block`` (the walk loads each row once)."""
+        order, mbs = list(block.order), block.micro_batch_size
+        stages = block.stages[rows][:, order]
+        n = len(stages)
         units = [self.parts(g, block.tp[g], mbs) for g in order]
         layer = np.stack([u[:, 1:-1].min(axis=1) for u in units])  # (G, 4): the least over the layers
         sync = np.array([self._affine_sync(g, block.tp[g], block.dp) for g in order])  # (G, 2)
@@ -245,9 +240,6 @@ class _Inputs:
     links: np.ndarray
     sync: np.ndarray
     tail: np.ndarray
-
-    def take(self, rows: np.ndarray) -> "_Inputs":
-        return _Inputs(*(getattr(self, f.name)[rows] for f in fields(self)))
 
     @staticmethod
     def joined(parts: list["_Inputs"]) -> "_Inputs":

@@ -55,7 +55,7 @@ def search(schedule: str, ctx: CostContext, blocks: list, fixed: Optional[list[i
         scored, tight, solved = plain_walk(schedule, ctx, blocks, lambda cand: [fixed])
     else:
         walk = _Walk(schedule, ctx, blocks, bounds)
-        if not walk.may_beat(beat):
+        if beat < INF and not walk.may_beat(beat):
             return None, 0
         walk.settle()
         scored, tight, solved = walk.results()
