@@ -70,6 +70,8 @@ def build_optimizer(chunks: Sequence[torch.nn.Module], opt: OptimizerConfig, dev
 
 
 def loader_for(cfg: PretrainConfig, dp_rank: int = 0, dp_size: int = 1) -> MicrobatchLoader:
+    """The microbatches of DP rank ``dp_rank`` of ``dp_size`` (the launcher builds
+    one too, to check the data before any rank starts)."""
     t = cfg.train
     return MicrobatchLoader(cfg.data.path, cfg.data.tokenizer, seq_length=t.seq_length,
                             global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
