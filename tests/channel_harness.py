@@ -2,7 +2,6 @@
 comparison, and real peer processes around a TCPStore hosted by pytest."""
 from __future__ import annotations
 
-import multiprocessing
 import time
 import traceback
 from datetime import timedelta
@@ -11,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
+from multiproc import CTX
 
-CTX = multiprocessing.get_context("spawn")
 # Dtypes and shapes every mover must carry bit-exact, empty and 0-d included.
 CASES = [
     (torch.float32, (2, 64, 128)),

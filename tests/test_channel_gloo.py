@@ -1,7 +1,6 @@
 """The gloo reference channel and the torch P2P channel between two real processes on a gloo group."""
 from __future__ import annotations
 
-import multiprocessing
 import time
 import traceback
 from datetime import timedelta
@@ -9,11 +8,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import collect
+from multiproc import CTX, collect
 
 from hetpipe.comm.channel import ChannelError, ChannelTimeout
 
-CTX = multiprocessing.get_context("spawn")
 NAMES = {0: "stage 0 (group nvidia, rank 0)", 1: "stage 1 (group amd, rank 1)"}
 CASES = [(torch.float32, (2, 64, 128)), (torch.bfloat16, (3, 5)), (torch.int64, (1000,)),
          (torch.float32, (0, 8)), (torch.float64, ()), (torch.float32, (1 << 20,))]

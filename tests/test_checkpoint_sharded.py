@@ -11,7 +11,6 @@ the ranks gathered, and finds what a node's directory lacks named by file and no
 from __future__ import annotations
 
 import json
-import multiprocessing
 import shutil
 import socket
 import traceback
@@ -20,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import collect
+from multiproc import CTX, collect
 
 from hetpipe.checkpoint import CheckpointConfig, CheckpointError, CheckpointSaver, load_checkpoint
 from hetpipe.models import build_model, model_preset
@@ -30,7 +29,6 @@ from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads
 from hetpipe.schema.pretrain_config import OptimizerConfig
 from hetpipe.training.rank_setup import build_optimizer
 
-CTX = multiprocessing.get_context("spawn")
 CPU = torch.device("cpu")
 WORLD = 4  # rank = dp_rank * 2 + tp_rank
 CFG = model_preset("tiny_qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,

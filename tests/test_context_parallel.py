@@ -16,13 +16,12 @@ the sum lengths (64 keys here): measured below 1e-6.
 """
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import collect
+from multiproc import CTX, collect
 
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
@@ -31,7 +30,6 @@ from hetpipe.models.documents import DocumentRule
 from hetpipe.models.transformer import set_document_masking
 from hetpipe.parallel.context import ContextShard, block_forward, block_mask, chunk_length, merge
 
-CTX = multiprocessing.get_context("spawn")
 CFG = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
            vocab_size=64)
 EOD = 3

@@ -7,19 +7,17 @@ comes back.
 """
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import collect
+from multiproc import CTX, collect
 
 from hetpipe.models import ModelConfig, build_model
 from hetpipe.parallel.grad_reducer import GradReducer
 from hetpipe.parallel.zero1 import DistributedOptimizer
 
-CTX = multiprocessing.get_context("spawn")
 WORLD = 2
 GLOBAL_MICRO = 8          # microbatches per global batch; each rank runs 4
 LOCAL_MICRO = GLOBAL_MICRO // WORLD

@@ -8,13 +8,12 @@ sharded math.
 """
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import collect
+from multiproc import CTX, collect
 
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
@@ -23,7 +22,6 @@ from hetpipe.models.parallelize import gate_up_rule, parallelize_tensor, qkv_rul
 from hetpipe.checkpoint.tp_slices import full_tensor, gather_full_state_dict, shard_full_state_dict, shard_tensor
 from hetpipe.parallel.tp_shards import finalize_tensor_parallel_grads, tp_param_spec, tp_sq_norm_share
 
-CTX = multiprocessing.get_context("spawn")
 TP = 2
 SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, vocab_size=128)
 CONFIGS = {

@@ -2,7 +2,6 @@
 per stage in pipelined runs, and chosen by the planner where memory is short."""
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from conftest import run_cli, run_pretrain
-from multiproc import collect
+from multiproc import CTX, collect
 
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
@@ -91,7 +90,6 @@ def test_every_mode_gives_the_same_losses_and_gradients_bitwise(units, precision
 
 
 TP = 2
-CTX = multiprocessing.get_context("spawn")
 
 
 def _tp_rank(rank: int, init_file: str, queue) -> None:

@@ -154,6 +154,37 @@ def test_the_rendezvous_round_is_read_from_a_real_c10d_handler():
     assert torch_compat.rendezvous_round(object()) is None
 
 
+def _rendezvous_event_names(monkeypatch, run_id: str) -> list[str]:
+    """The names a real c10d handler gives the events of one rendezvous and its shutdown."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    names = []
+    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event",
+                        lambda **event: names.append(event["name"]))
+    handler = get_rendezvous_handler(RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0", run_id=run_id,
+                                                          min_nodes=1, max_nodes=1, is_host="true"))
+    try:
+        handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+    return names
+
+
+def test_rendezvous_events_keep_torchs_names_without_its_stack_walk(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    assert dynamic_rendezvous.get_method_name.__module__ == dynamic_rendezvous.__name__  # torch's own, here
+    torchs = _rendezvous_event_names(monkeypatch, "names-torch")
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)
+    torch_compat.cheap_rendezvous_event_names()
+    assert dynamic_rendezvous.get_method_name is torch_compat._method_name
+    ours = _rendezvous_event_names(monkeypatch, "names-ours")
+    assert ours == torchs and len(torchs) >= 3
+    assert any(name.endswith("._add_to_participants") for name in ours), ours
+    assert torch_compat._method_name(10_000) == "no_method_name"
+
+
 def test_the_agent_store_of_a_real_c10d_handler_is_made_by_hetpipe():
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler

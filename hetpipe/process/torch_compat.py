@@ -68,6 +68,15 @@ _snapshot``                                            step (``train.memory_snap
                                                        peak; pytorch.org/memory_viz reads it.
 ``torch._dynamo.utils.counters``                       the compiled-graph count bench_layer
                                                        prints (:func:`compiled_graph_count`).
+``dynamic_rendezvous.get_method_name``                 not private by name, but torch's own
+                                                       helper: it names each rendezvous event
+                                                       with two ``inspect.stack()`` calls, which
+                                                       read the source of every frame, even
+                                                       when no handler records the event
+                                                       (:func:`cheap_rendezvous_event_names`
+                                                       puts a frame lookup with the same answer
+                                                       in its place); a release without it is
+                                                       left alone.
 ``multiprocessing.forkserver._forkserver.``            the standard library's, not torch's: the
 ``_forkserver_pid``                                    local ranks' fork server, SIGKILLed at
                                                        exit (hetpipe.launch); None where it is
@@ -195,6 +204,7 @@ class AgentHooks(LocalElasticAgent):
 
     # -- torch's private methods --------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        cheap_rendezvous_event_names()
         super()._rendezvous(worker_group, *args, **kwargs)
         bound_rendezvous_calls(worker_group.spec.rdzv_handler)
         self.after_rendezvous(worker_group)
@@ -218,6 +228,30 @@ class AgentHooks(LocalElasticAgent):
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
         self.before_shutdown()
         super()._shutdown(*args, **kwargs)
+
+
+def cheap_rendezvous_event_names() -> None:
+    """Name torch's c10d rendezvous events by a frame lookup instead of ``inspect.stack()``.
+
+    torch names every event its rendezvous records (joining, keep-alive, closing) with
+    ``get_method_name``, which builds the whole stack with source context twice per
+    event, and ``inspect.getmodule`` walks every loaded module for a frame without a
+    module file, although no handler records most of these events (the cost of one
+    launch: docs/benchmarks.md, "The suite's time").
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        dynamic_rendezvous.get_method_name = _method_name
+
+
+def _method_name(depth: int = 2) -> str:
+    """What torch's ``get_method_name(depth)`` returns: the name of the function ``depth``
+    frames up from this one, or ``no_method_name`` past the stack's end."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
 
 
 # What the handler's calls return once its store is lost: nobody waits to join
