@@ -88,8 +88,10 @@ fi
 
 # torchrun's c10d rendezvous numbers nodes by sorted host address and ignores
 # --node-rank, so each worker's RANK is set from the cluster config's order
-# instead: HETPIPE_FIRST_RANK + LOCAL_RANK. Workers reach the store as clients
-# of torchrun's agent store, so the renumbering is safe. is_host is given, not
+# instead: HETPIPE_FIRST_RANK + LOCAL_RANK (hetpipe.launch.fork_server.node_rank; the
+# node's ranks fork from one server that imported torch and hetpipe once).
+# Workers reach the store as clients of torchrun's agent store, so the
+# renumbering is safe. is_host is given, not
 # guessed from host names; --local-addr is the address the other nodes reach
 # this one at, not what its host name resolves to (loopback, often);
 # read_timeout and join_timeout let the nodes start minutes apart (image
@@ -107,5 +109,4 @@ exec "$PYTHON" -m hetpipe.launch \
   --rdzv-backend c10d --rdzv-endpoint "$HETPIPE_RDZV_ENDPOINT" --rdzv-id "$HETPIPE_RDZV_ID" \
   ${HETPIPE_LOCAL_ADDR:+--local-addr "$HETPIPE_LOCAL_ADDR"} \
   --rdzv-conf "is_host=$HETPIPE_RDZV_IS_HOST,read_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600},join_timeout=${HETPIPE_RDZV_TIMEOUT_S:-600}" \
-  --no-python bash -c 'export RANK=$((HETPIPE_FIRST_RANK + LOCAL_RANK)); exec "$0" -m hetpipe.pretrain "$@"' \
-  "$PYTHON" "$@"
+  -m hetpipe.pretrain "$@"

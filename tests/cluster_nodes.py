@@ -55,15 +55,17 @@ def plain_env() -> dict[str, str]:
 
 def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, deadline_s: float = 15.0,
                 rdzv_timeout_s: Optional[float] = None, python: Optional[dict[int, str]] = None,
-                only: Optional[Sequence[int]] = None, doctor: bool = False) -> list[NodeRun]:
+                only: Optional[Sequence[int]] = None, doctor: bool = False,
+                env: Optional[dict[str, str]] = None) -> list[NodeRun]:
     """launch_cluster.sh ``args`` on every node (or the nodes ``only`` lists); node k's
     run dir is ``tmp_path/run<k>``. torchrun's rendezvous waits ``rdzv_timeout_s``
     (default: the deadline) for the other node; ``python`` replaces the
     interpreter on some nodes (PYTHON, as launch_cluster.sh reads it).
     launch_cluster.sh's pre-flight doctor is off unless ``doctor``: its bandwidth
     probes would add traffic to the NIC counters these tests read, and fault
-    tests time the job alone (tests/test_doctor.py and test_scheduler_env.py run it)."""
-    env = plain_env()
+    tests time the job alone (tests/test_doctor.py and test_scheduler_env.py run it).
+    ``env`` joins every node's environment last (an injected fault, hetpipe.process.faults)."""
+    extra, env = env or {}, plain_env()
     env.update(PYTHONUNBUFFERED="1", HETPIPE_JOB_TOKEN=secrets.token_hex(32),
                RDZV_ENDPOINT=f"{nodes[0].addrs['eth1']}:29400",
                HETPIPE_RDZV_TIMEOUT_S=f"{rdzv_timeout_s or deadline_s:g}", HETPIPE_DOCTOR="1" if doctor else "0")
@@ -72,7 +74,8 @@ def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, de
         if only is not None and node.rank not in only:
             continue
         log = tmp_path / f"node{node.rank}.log"
-        node_env = {**env, "NODE_RANK": str(node.rank), "PYTHON": (python or {}).get(node.rank, sys.executable)}
+        node_env = {**env, "NODE_RANK": str(node.rank), "PYTHON": (python or {}).get(node.rank, sys.executable),
+                    **extra}
         with log.open("w") as out:
             proc = emu.run_in(node, ["bash", str(LAUNCHER), *args, f"cluster.transport.deadline_s={deadline_s}",
                                      f"hydra.run.dir={tmp_path / f'run{node.rank}'}"],

@@ -48,22 +48,23 @@ def run_pretrain(run_dir: Path, args: list[str], timeout: float = 240) -> tuple[
     return proc, rows
 
 
-STARTS_LOGGER = """import json, os, sys
-with open(os.environ["HETPIPE_TEST_STARTS"], "a") as f:
+# The log's path is written into the module: an emulated node's environment keeps
+# PYTHONPATH but none of hetpipe's variables (tests/cluster_nodes.py).
+STARTS_LOGGER = """import json, sys
+with open({log!r}, "a") as f:
     f.write(json.dumps(sys.orig_argv) + "\\n")
 """
 
 
 def log_python_starts(tmp_path: Path, monkeypatch) -> Path:
     """Every Python interpreter started from here on (CLIs, fork servers, spawned
-    workers: not forked ones) appends its command line to the returned file, through
-    a sitecustomize module on PYTHONPATH."""
+    workers, emulated nodes' launchers: not forked ones) appends its command line
+    to the returned file, through a sitecustomize module on PYTHONPATH."""
     site = tmp_path / "starts_site"
     site.mkdir(parents=True)
-    (site / "sitecustomize.py").write_text(STARTS_LOGGER)
     log = tmp_path / "python_starts.jsonl"
+    (site / "sitecustomize.py").write_text(STARTS_LOGGER.format(log=str(log)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("HETPIPE_TEST_STARTS", str(log))
     return log
 
 

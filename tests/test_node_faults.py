@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from cluster_nodes import JOB, NodeRun, kill_node, start_nodes, training, wait_all, wait_for
+from cluster_nodes import JOB, NodeRun, kill_node, metrics, start_nodes, training, wait_all, wait_for
 from emulated_nodes import emulated_nodes, make_emulated_nodes, netns_available  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)
@@ -68,6 +68,24 @@ def test_a_link_that_goes_silent_elsewhere_on_the_path_stops_within_the_deadline
     assert "link to node 0 (nvidia, 10.201.0.1) stalled" in line or "link to node 1 (amd, 10.201.0.2) stalled" in line
 
 
+def test_a_rank_killed_on_one_node_restarts_both_nodes_in_one_attempt(tmp_path, emulated_nodes):
+    # Rank 3 (node 1) is killed at step 2 of the first attempt. Both nodes
+    # restart: node 1 for its rank, node 0 on the job's verdict (or, should its
+    # ranks still run, because node 1 came back to the rendezvous, which torch
+    # does not count as a restart of its own). The ranks of both must be in
+    # attempt 1 for the job to end: their store keys are the attempt's, and
+    # the fault fires in attempt 0 only.
+    args = [*JOB, "data=demo", "train.train_iters=3", "train.max_restarts=1"]
+    runs = start_nodes(emulated_nodes, args, tmp_path, deadline_s=DEADLINE_S,
+                       env={"HETPIPE_FAULT": "kill@step:rank=3:step=2"})
+    codes = wait_all(runs, timeout=180)
+    out = [run.output() for run in runs]
+    assert codes == [0, 0], "".join(f"\n--- node {r}:\n{o[-3000:]}" for r, o in enumerate(out))
+    assert "rank 3 (pid " in out[1] and "was killed by SIGKILL; restarting the job (restart 1 of 1)" in out[1], out[1]
+    assert [row["step"] for row in metrics(tmp_path / "run0")][-1] == 3
+    assert not any("Traceback" in o for o in out)
+
+
 def test_a_node_killed_mid_run_stops_the_other_naming_it(tmp_path, emulated_nodes):
     runs = start_nodes(emulated_nodes, FOREVER, tmp_path, deadline_s=DEADLINE_S)
     wait_for("training steps", training(tmp_path / "run0"), runs)
@@ -78,12 +96,22 @@ def test_a_node_killed_mid_run_stops_the_other_naming_it(tmp_path, emulated_node
 
 def test_a_node_killed_before_its_ranks_reach_the_world_group_is_named_by_the_other(tmp_path, emulated_nodes):
     # Node 1's launcher joins torchrun's rendezvous and starts its ranks, but
-    # its "python" stands still for the ranks (a node stuck loading, say)
-    # and says so; then the whole node is killed.
+    # they stand still as they are forked (a node stuck loading, say) and say
+    # so; then the whole node is killed. The ranks fork from a server
+    # (hetpipe.launch.fork_server.node_rank), whose child-side step is held here.
     started = tmp_path / "node1-ranks-started"
+    site = tmp_path / "stuck_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import pathlib, sys, time\n"
+        "if 'from multiprocessing.forkserver import main' in ' '.join(sys.orig_argv):\n"
+        "    import multiprocessing.forkserver as server\n"
+        "    def _stuck(*args):\n"
+        f"        pathlib.Path({str(started)!r}).touch()\n"
+        "        time.sleep(600)\n"
+        "    server._serve_one = _stuck\n")
     stuck = tmp_path / "python-stuck-for-ranks"
-    stuck.write_text(f'#!/bin/bash\nif [[ "$1 $2" == "-m hetpipe.pretrain" ]]; then touch {started}; exec sleep 600; fi\n'
-                     f'exec {sys.executable} "$@"\n')
+    stuck.write_text(f'#!/bin/bash\nexport PYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}}\nexec {sys.executable} "$@"\n')
     stuck.chmod(0o755)
     runs = start_nodes(emulated_nodes, FOREVER, tmp_path, deadline_s=STARTUP_DEADLINE_S, python={1: str(stuck)})
     wait_for("ranks on node 1", started.exists, runs)

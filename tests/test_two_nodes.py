@@ -13,6 +13,8 @@ namespaces cannot be made.
 """
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import subprocess
 import sys
@@ -20,7 +22,7 @@ import sys
 import pytest
 
 from cluster_nodes import JOB, metrics, plain_env, start_nodes, wait_all
-from conftest import REPO, run_pretrain
+from conftest import REPO, fork_servers_started, log_python_starts, run_pretrain
 from emulated_nodes import emu, emulated_nodes, make_emulated_nodes, netns_available  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,13 +33,25 @@ STEPS = 3
 
 @pytest.mark.torch_matrix
 def test_per_node_launchers_train_bitwise_like_one_process_over_two_striped_nics(tmp_path, emulated_nodes,
-                                                                                 corpus_prefix):
+                                                                                 corpus_prefix, monkeypatch):
     nics = [(node, nic) for node in emulated_nodes.nodes for nic in ("eth1", "eth2")]
     before = {key: emu.counters(*key) for key in nics}
     args = [*JOB, f"data.path={corpus_prefix}", f"train.train_iters={STEPS}"]
+    usual_path = os.environ.get("PYTHONPATH")
+    starts = log_python_starts(tmp_path, monkeypatch)
     runs = start_nodes(emulated_nodes, args, tmp_path)
     codes = wait_all(runs, timeout=150)
     assert codes == [0, 0], "".join(f"\n--- node {r.rank}:\n{r.output()[-3000:]}" for r in runs)
+    # Each node's two ranks forked from one server that imported torch and hetpipe
+    # once (hetpipe.launch.fork_server.node_rank), not two interpreters importing them each.
+    started = [json.loads(line) for line in starts.read_text().splitlines()]
+    assert fork_servers_started(starts) == 2, started
+    modules = [argv[argv.index("-m") + 1] for argv in started if "-m" in argv]  # each interpreter's own
+    assert modules.count("hetpipe.launch") == 2 and "hetpipe.pretrain" not in modules, started
+    if usual_path is None:  # the worker's own environment again, for the reference run below
+        monkeypatch.delenv("PYTHONPATH")
+    else:
+        monkeypatch.setenv("PYTHONPATH", usual_path)
     for run, node in zip(runs, emulated_nodes.nodes):
         # Each node found its own NICs from the subnets and pointed gloo at them.
         assert (f"NICs eth1 {node.addrs['eth1']}, eth2 {node.addrs['eth2']} (cluster.transport.subnets); "

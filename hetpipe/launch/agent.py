@@ -39,10 +39,12 @@ launcher's stores listen on the job's addresses only). What the subclass adds:
   of it: a key written in attempt 0 was still there in attempt 1, at the same
   port);
   and ``HETPIPE_PREEMPT_DIR``, a fresh directory where each rank that saved
-  a checkpoint on a preemption signal leaves ``rank<R>.json``. The local
-  launcher's ranks fork from a server started before any attempt and see
-  neither variable: on one node the round is torch's restart count, and the
-  directory is ``$HETPIPE_LAUNCH_DIR/attempt<N>`` (hetpipe.launch.local).
+  a checkpoint on a preemption signal leaves ``rank<R>.json``. Forked ranks
+  (the local launcher's, and a torchrun node's ``hetpipe.pretrain``) come from a
+  server started before any attempt and see neither variable: the directory
+  is ``$HETPIPE_LAUNCH_DIR/attempt<N>``, and the attempt is torch's restart
+  count on one node, an argument of :func:`hetpipe.launch.fork_server.node_rank`
+  on a torchrun node (hetpipe.launch.fork_server).
 * **Preemption.** On SIGTERM (and SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2:
   :data:`HANDLED_SIGNALS`, SIGUSR1 and SIGUSR2 added to torch's default list,
   whose default action would kill the launcher and orphan its ranks) torch's
@@ -54,7 +56,6 @@ launcher's stores listen on the job's addresses only). What the subclass adds:
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -83,11 +84,12 @@ from hetpipe.launch.fd_limit import ensure_fd_limit, launcher_need
 from hetpipe.launch.frozen_ranks import FrozenNotes
 from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
+from hetpipe.launch.fork_server import node_rank, node_rank_argv, start_fork_server, stop_fork_server
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
 from hetpipe.process.rank_env import ATTEMPT_ENV
 from hetpipe.launch.store_bind import BoundStores
 from hetpipe.launch.verdicts import job_seal
-from hetpipe.process.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, fork_server_pid, rendezvous_round
+from hetpipe.process.torch_compat import AgentHooks, agent_can_set_shutdown_timeout, rendezvous_round
 
 T = TypeVar("T")
 
@@ -137,14 +139,15 @@ class HetpipeAgent(AgentHooks):
     """torch's local elastic agent, reporting the job's root cause (see the module)."""
 
     def __init__(self, *args: Any, node: str = "", **kwargs: Any) -> None:
+        self.rank_argv = _fork_node_ranks(kwargs)
         super().__init__(*args, **kwargs)
         ensure_fd_limit(launcher_need(self.worker_group.spec.local_world_size))  # torchrun's launcher too
         self.node = node  # "node 1 of 2: " under torchrun on several nodes, else ""
         self.attempt = 0
         self.first_round: Optional[int] = None
-        # The local launcher's ranks fork from a server whose environment was set
-        # before any attempt: they find the directory it made through it, and
-        # their attempt in torch's restart count (hetpipe.launch.local._start_fork_server).
+        # Forked ranks (the local launcher's, and a torchrun node's hetpipe.pretrain)
+        # come from a server whose environment was set before any attempt: they find
+        # the directory it made through it (hetpipe.launch.fork_server.start_fork_server).
         self.forked = bool(os.environ.get(LAUNCH_DIR_ENV))
         self.launch_dir = Path(os.environ.get(LAUNCH_DIR_ENV) or tempfile.mkdtemp(prefix="hetpipe-launch-"))
         self.watch: Optional[_WorkerWatch] = None
@@ -167,7 +170,9 @@ class HetpipeAgent(AgentHooks):
 
     def worker_env(self) -> dict[str, str]:
         self.preempt_dir.mkdir(exist_ok=True)
-        if self.forked:
+        if self.rank_argv is not None:  # a torchrun node's forked ranks: their attempt is an argument
+            self.worker_group.spec.args = (str(self.attempt), *self.rank_argv)
+        if self.forked:  # the local launcher's: one node, where the attempt is torch's restart count
             return {}
         return {ATTEMPT_ENV: str(self.attempt), PREEMPT_DIR_ENV: str(self.preempt_dir)}
 
@@ -412,6 +417,22 @@ def _say(line: str) -> None:
     os.write(sys.stderr.fileno(), (line + "\n").encode())
 
 
+def _fork_node_ranks(kwargs: dict[str, Any]) -> Optional[list[str]]:
+    """Where torchrun would start each rank as a fresh ``python -u -m hetpipe.pretrain ARGS``,
+    have its agent fork them from one server per node that imported torch and hetpipe once
+    (hetpipe.launch.fork_server.node_rank; what the local launcher does): the node's ranks then
+    share that import instead of each paying it (docs/benchmarks.md, "The suite's time").
+    Returns the ranks' ARGS, or None where the ranks start as torchrun starts them."""
+    spec = kwargs.get("spec")
+    argv = None if spec is None or "start_method" not in kwargs else node_rank_argv(spec.entrypoint, spec.args)
+    if argv is None:
+        return None
+    start_fork_server()
+    spec.entrypoint = node_rank
+    kwargs["start_method"] = "forkserver"
+    return argv
+
+
 def agent_run(start: Callable[[], T], node: str = "") -> T:
     """Run ``start()`` - a call of torch's ``elastic_launch(...)(...)`` or torchrun's ``run``
     - with :class:`HetpipeAgent` as its agent; a failure or a signal ends this process with
@@ -462,22 +483,13 @@ def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
         agent.close()
         if agent.forked:  # what the local launcher's atexit hooks would do: its directory, its fork server
             shutil.rmtree(agent.launch_dir, ignore_errors=True)
-            _kill_fork_server()
+            stop_fork_server()
     release_dir_locks()  # what its atexit hook would do: a failed job leaves no lock file behind
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     console_log.drain()  # the job's last lines written (pretrain.log) before the prompt comes back
     os._exit(status)
-
-
-def _kill_fork_server() -> None:
-    """SIGKILL the server the local launcher's ranks fork from: it holds this process's
-    stdout and stderr, and a reader of them waited 0.7-1.1 s more for it to leave by itself."""
-    pid = fork_server_pid()
-    if pid:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def quiet_torch_launcher() -> None:

@@ -22,24 +22,18 @@ not say why itself.
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
 import faulthandler
 import multiprocessing
-import multiprocessing.forkserver
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import threading
 import uuid
-from pathlib import Path
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
 from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError, HetpipeError
 from hetpipe.launch.fd_limit import Need, ensure_fd_limit, launcher_need, raise_fd_limit_early, rank_need
+from hetpipe.launch.fork_server import restore_signals, start_fork_server, stop_fork_server
 from hetpipe.launch.job_secret import provide_local_secret
 from hetpipe.process.rank_env import restart_attempt, under_torchrun
 
@@ -57,7 +51,7 @@ def _worker(fn: Callable[..., Any], args: tuple, env: Optional[dict[str, str]] =
     from hetpipe.launch.job_watch import stop_rank
 
     os.environ.update(env or {})
-    _restore_signals()
+    restore_signals()
     _share_cores()
     if os.environ.get("HETPIPE_STACK_DUMP_S"):
         faulthandler.dump_traceback_later(float(os.environ["HETPIPE_STACK_DUMP_S"]), exit=False)
@@ -139,7 +133,7 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
         return _worker(fn, args, env, rank_need(cluster, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if world == 1 and max_restarts == 0:
         # No fd check: one process held 9 descriptors at most (a python that starts at all has them).
-        _stop_fork_server()  # started early (prestart) for a job that needs no ranks: free its core
+        stop_fork_server()  # started early (prestart) for a job that needs no ranks: free its core
         os.environ.update(env or {})
         return fn(*args)
     if not cluster.single_node:
@@ -154,7 +148,7 @@ def launch(cluster: ClusterConfig, fn: Callable[..., Any], *args: Any, max_resta
     # fresh one that only these children inherit (never through the store).
     provide_local_secret(os.environ)
     _gloo_on_loopback(os.environ)
-    _start_fork_server()
+    start_fork_server()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"hetpipe-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts, monitor_interval=0.2,
@@ -183,7 +177,7 @@ def prestart(argv: Sequence[str]) -> None:
     if not raise_fd_limit_early(launcher_need(2)):
         return  # too low for any local launch: launch() says so, or runs a one-rank job without a server
     _gloo_on_loopback(os.environ)
-    _start_fork_server()
+    start_fork_server()
 
 
 def prints_only(argv: Sequence[str]) -> bool:
@@ -219,73 +213,3 @@ def _one_rank_default(argv: Sequence[str]) -> bool:
     return not any(k in _MAY_SPAWN or k.split(".")[0] in _MAY_SPAWN for k in keys)
 
 
-def _start_fork_server() -> None:
-    """Start the server the local ranks fork from, with torch and hetpipe imported.
-
-    Spawned ranks each imported torch, the compiler torch's optimizer loads and
-    hetpipe (about 3.5 CPU-s a rank); forked from one server that imported them
-    once, a two-rank cpu_mixed job of two steps took 7 CPU-s instead of 11 on
-    two cores. The server starts here, before the elastic agent sets an
-    attempt's variables: every rank inherits the server's environment, so a
-    rank takes its attempt from TORCHELASTIC_RESTART_COUNT (one node: the
-    rendezvous round) and its preemption directory from HETPIPE_LAUNCH_DIR
-    (hetpipe.launch.preemption.marker_dir): one directory for this process's
-    launches (hydra's multirun launches several; the server lives on), emptied
-    before each. Nothing in the server runs a kernel or a thread, which is
-    what makes forking it safe."""
-    from hetpipe.launch.preemption import LAUNCH_DIR_ENV
-    from hetpipe.process.torch_compat import RANK_PRELOAD
-
-    if not os.environ.get(LAUNCH_DIR_ENV):
-        os.environ[LAUNCH_DIR_ENV] = tempfile.mkdtemp(prefix="hetpipe-launch-")
-        atexit.register(shutil.rmtree, os.environ[LAUNCH_DIR_ENV], ignore_errors=True)
-    for entry in Path(os.environ[LAUNCH_DIR_ENV]).iterdir():
-        shutil.rmtree(entry, ignore_errors=True)
-    context = multiprocessing.get_context("forkserver")
-    # Not hetpipe.pretrain: a rank runs the main module anew (runpy warns when it is loaded already).
-    context.set_forkserver_preload([*RANK_PRELOAD, "hydra", "hetpipe.training.trainer", "hetpipe.launch.local"])
-    # A scheduler's stop signal may reach every process of the job (Slurm
-    # signals the whole step): the server must outlive it, or the agent reads
-    # every rank as ended at once (status 255) and reports them unsaved while
-    # they still save (seen: exit 143 and no checkpoint, where spawned ranks
-    # saved and the launcher exited 0). So the server starts with those
-    # signals ignored - an ignored signal stays ignored across exec - and each
-    # rank restores them before anything else (_worker).
-    ignored = [s for s in _SERVER_IGNORES if signal.getsignal(s) == signal.SIG_DFL]
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in ignored}
-    os.environ[_SERVER_IGNORES_ENV] = ",".join(s.name for s in ignored)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        del os.environ[_SERVER_IGNORES_ENV]
-    atexit.register(_stop_fork_server)  # registered again per launch: the server may have been restarted
-
-
-def _stop_fork_server() -> None:
-    """At exit, SIGKILL the fork server (its ranks are over, it holds no state).
-
-    It holds this process's stdout and stderr (its ranks print through
-    them), and left to leave by itself once it saw this process gone it took
-    0.7-1.1 s more to tear down the torch it imported: a two-rank cpu_mixed
-    run's output ended that long after the launcher had exited, and whoever
-    reads the output to its end (a pipe, a test) waited for it too."""
-    if "hetpipe.process.torch_compat" not in sys.modules:  # no run got as far as torch: leave it be
-        return
-    pid = sys.modules["hetpipe.process.torch_compat"].fork_server_pid()
-    if pid:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-# The launcher's stop signals but SIGINT, which the fork server ignores itself
-# (and which an interpreter started with it ignored would not turn into KeyboardInterrupt).
-_SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-_SERVER_IGNORES_ENV = "HETPIPE_FORK_SERVER_IGNORES"
-
-
-def _restore_signals() -> None:
-    """In a rank forked from the server: the stop signals it ignored act again."""
-    for name in filter(None, os.environ.pop(_SERVER_IGNORES_ENV, "").split(",")):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
