@@ -111,7 +111,8 @@ def test_a_node_killed_before_its_ranks_reach_the_world_group_is_named_by_the_ot
         "        time.sleep(600)\n"
         "    server._serve_one = _stuck\n")
     stuck = tmp_path / "python-stuck-for-ranks"
-    stuck.write_text(f'#!/bin/bash\nexport PYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}}\nexec {sys.executable} "$@"\n')
+    stuck.write_text(f'#!/bin/bash\nexport PYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}}\n'
+                     f'exec {sys.executable} "$@"\n')
     stuck.chmod(0o755)
     runs = start_nodes(emulated_nodes, FOREVER, tmp_path, deadline_s=STARTUP_DEADLINE_S, python={1: str(stuck)})
     wait_for("ranks on node 1", started.exists, runs)

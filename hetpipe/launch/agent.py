@@ -172,7 +172,7 @@ class HetpipeAgent(AgentHooks):
         self.preempt_dir.mkdir(exist_ok=True)
         if self.rank_argv is not None:  # a torchrun node's forked ranks: their attempt is an argument
             self.worker_group.spec.args = (str(self.attempt), *self.rank_argv)
-        if self.forked:  # the local launcher's: one node, where the attempt is torch's restart count
+        if self.forked:  # nothing reaches a forked rank from here (the local launcher's: torch's restart count)
             return {}
         return {ATTEMPT_ENV: str(self.attempt), PREEMPT_DIR_ENV: str(self.preempt_dir)}
 

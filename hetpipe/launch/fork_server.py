@@ -57,15 +57,16 @@ def node_rank(attempt: str, *argv: str) -> None:
 
 
 def start_fork_server() -> None:
-    """Start the server the local ranks fork from, with torch and hetpipe imported.
+    """Start the server this node's ranks fork from, with torch and hetpipe imported.
 
     Spawned ranks each imported torch, the compiler torch's optimizer loads and
     hetpipe (about 3.5 CPU-s a rank); forked from one server that imported them
     once, a two-rank cpu_mixed job of two steps took 7 CPU-s instead of 11 on
     two cores. The server starts here, before the elastic agent sets an
     attempt's variables: every rank inherits the server's environment, so a
-    rank takes its attempt from TORCHELASTIC_RESTART_COUNT (one node: the
-    rendezvous round) and its preemption directory from HETPIPE_LAUNCH_DIR
+    local rank takes its attempt from TORCHELASTIC_RESTART_COUNT (one node: the
+    rendezvous round), a torchrun node's from :func:`node_rank`'s argument,
+    and each its preemption directory from HETPIPE_LAUNCH_DIR
     (hetpipe.launch.preemption.marker_dir): one directory for this process's
     launches (hydra's multirun launches several; the server lives on), emptied
     before each. Nothing in the server runs a kernel or a thread, which is
@@ -87,7 +88,7 @@ def start_fork_server() -> None:
     # they still save (seen: exit 143 and no checkpoint, where spawned ranks
     # saved and the launcher exited 0). So the server starts with those
     # signals ignored - an ignored signal stays ignored across exec - and each
-    # rank restores them before anything else (_worker).
+    # rank restores them before anything else (restore_signals).
     ignored = [s for s in _SERVER_IGNORES if signal.getsignal(s) == signal.SIG_DFL]
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in ignored}
     os.environ[_SERVER_IGNORES_ENV] = ",".join(s.name for s in ignored)
