@@ -84,7 +84,7 @@ from hetpipe.launch.fd_limit import ensure_fd_limit, launcher_need
 from hetpipe.launch.frozen_ranks import FrozenNotes
 from hetpipe.launch.hung_ranks import HungRanks
 from hetpipe.launch.job_watch import namespace, post_verdict, posted_verdict
-from hetpipe.launch.fork_server import node_rank, node_rank_argv, start_fork_server, stop_fork_server
+from hetpipe.launch.fork_server import fork_node_ranks, stop_fork_server
 from hetpipe.launch.preemption import LAUNCH_DIR_ENV, PREEMPT_DIR_ENV
 from hetpipe.process.rank_env import ATTEMPT_ENV
 from hetpipe.launch.store_bind import BoundStores
@@ -139,7 +139,7 @@ class HetpipeAgent(AgentHooks):
     """torch's local elastic agent, reporting the job's root cause (see the module)."""
 
     def __init__(self, *args: Any, node: str = "", **kwargs: Any) -> None:
-        self.rank_argv = _fork_node_ranks(kwargs)
+        self.rank_argv = fork_node_ranks(kwargs)
         super().__init__(*args, **kwargs)
         ensure_fd_limit(launcher_need(self.worker_group.spec.local_world_size))  # torchrun's launcher too
         self.node = node  # "node 1 of 2: " under torchrun on several nodes, else ""
@@ -415,22 +415,6 @@ def _say(line: str) -> None:
     """One launcher line on stderr in one write, so that ranks' lines never run into it."""
     sys.stderr.flush()
     os.write(sys.stderr.fileno(), (line + "\n").encode())
-
-
-def _fork_node_ranks(kwargs: dict[str, Any]) -> Optional[list[str]]:
-    """Where torchrun would start each rank as a fresh ``python -u -m hetpipe.pretrain ARGS``,
-    have its agent fork them from one server per node that imported torch and hetpipe once
-    (hetpipe.launch.fork_server.node_rank; what the local launcher does): the node's ranks then
-    share that import instead of each paying it (docs/benchmarks.md, "The suite's time").
-    Returns the ranks' ARGS, or None where the ranks start as torchrun starts them."""
-    spec = kwargs.get("spec")
-    argv = None if spec is None or "start_method" not in kwargs else node_rank_argv(spec.entrypoint, spec.args)
-    if argv is None:
-        return None
-    start_fork_server()
-    spec.entrypoint = node_rank
-    kwargs["start_method"] = "forkserver"
-    return argv
 
 
 def agent_run(start: Callable[[], T], node: str = "") -> T:

@@ -56,6 +56,23 @@ def node_rank(attempt: str, *argv: str) -> None:
             raise
 
 
+def fork_node_ranks(kwargs: dict[str, Any]) -> Optional[list[str]]:
+    """Where torchrun would start each rank as a fresh ``python -u -m hetpipe.pretrain ARGS``
+    (``kwargs``: those its agent is built with), have the agent fork them from one server per
+    node that imported torch and hetpipe once (:func:`node_rank`; what the local launcher
+    does): the node's ranks then share that import instead of each paying it
+    (docs/benchmarks.md, "The suite's time").
+    Returns the ranks' ARGS, or None where the ranks start as torchrun starts them."""
+    spec = kwargs.get("spec")
+    argv = None if spec is None or "start_method" not in kwargs else node_rank_argv(spec.entrypoint, spec.args)
+    if argv is None:
+        return None
+    start_fork_server()
+    spec.entrypoint = node_rank
+    kwargs["start_method"] = "forkserver"
+    return argv
+
+
 def start_fork_server() -> None:
     """Start the server this node's ranks fork from, with torch and hetpipe imported.
 
