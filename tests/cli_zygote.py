@@ -8,8 +8,8 @@ it per command. The child is a process of its own, as ``subprocess.run`` would s
 it: its standard input, output and error are the caller's pipes (passed over a Unix
 socket), its environment, working directory and ``sys.argv`` are the command's, it
 runs the module as ``__main__`` with :mod:`runpy` (as ``python -m`` does) and ends
-as an interpreter ends (atexit handlers, non-daemon threads, exit status; an
-uncaught exception prints its traceback and exits 1). The ranks a launcher starts
+as an interpreter ends (non-daemon threads joined, atexit handlers, exit status; an
+uncaught exception prints its traceback and exits 1), less the modules' teardown. The ranks a launcher starts
 are started by the hetpipe code under test as they always are, with one
 difference below it: multiprocessing starts the ranks' fork server
 (hetpipe.launch.local) as a fresh interpreter that imports torch and its compiler
@@ -74,6 +74,33 @@ def fork_the_fork_server(path, args, passfds):
 
 
 multiprocessing.util.spawnv_passfds = fork_the_fork_server
+
+
+def end_as_an_interpreter_ends(main):
+    # What an interpreter's end shows (the exit status, the traceback, non-daemon threads
+    # joined, atexit handlers, flushed output), then os._exit: tearing the modules down
+    # would write to every object the zygote imported, copying each page of the fork
+    # (1.2 CPU-s a command, for nothing the command's caller could see).
+    import atexit, threading, traceback
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+        if not isinstance(code, int) and code is not None:  # sys.exit("message")
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code or 0)
 sys.stdout.flush(); sys.stderr.flush()
 control = socket.socket(fileno=int(sys.argv[1]))
 control.send(b'{"ready": true}')
@@ -100,8 +127,7 @@ while True:
         os.environ.update(request["env"])
         sys.argv = [request["module"], *request["args"]]
         del request, fds, message, control
-        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-        sys.exit(0)
+        end_as_an_interpreter_ends(lambda: runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True))
     for fd in fds:
         os.close(fd)
     control.send(json.dumps({"pid": pid}).encode())

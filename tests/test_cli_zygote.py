@@ -14,11 +14,16 @@ pytestmark = pytest.mark.skipif(os.environ.get("HETPIPE_TEST_FRESH_PYTHON") == "
                                 reason="HETPIPE_TEST_FRESH_PYTHON=1: every command runs fresh")
 
 PROBE = """
-import json, os, signal, sys
+import atexit, json, os, signal, sys, threading, time
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "main": __name__,
                   "probe": os.environ.get("HETPIPE_PROBE")}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
+atexit.register(lambda: print("atexit handler ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("a non-daemon thread finished"))).start()
+print("no newline", end="")
 how = sys.argv[1]
+if how == "message":
+    sys.exit("the probe's exit message")
 if how == "raise":
     raise ValueError("the probe's own error")
 if how == "kill":
@@ -47,15 +52,22 @@ def _run(probe, *args, env=None, timeout=30):
 def test_a_forked_command_sees_and_ends_as_a_fresh_one(probe):
     import json
 
-    for how in ("0", "3", "raise", "kill"):
+    for how in ("0", "3", "raise", "message", "kill"):
         done, fresh = _run(probe, how, "x=1", env={"HETPIPE_PROBE": "seen"})
         assert done is not None, "the zygote was not used"
         assert done.returncode == fresh.returncode, how
         assert json.loads(done.stdout.splitlines()[0]) | {"pid": 0} == \
             json.loads(fresh.stdout.splitlines()[0]) | {"pid": 0}
         assert json.loads(done.stdout.splitlines()[0])["pid"] != os.getpid()
+        # The thread joined, then the atexit handler: as a fresh interpreter ends.
+        assert done.stdout.splitlines()[1:] == fresh.stdout.splitlines()[1:], how
         assert done.stderr.startswith("to stderr\n")
     assert done.returncode == -signal.SIGKILL
+    done, fresh = _run(probe, "0")
+    assert done.stdout.splitlines()[1:] == ["no newlinea non-daemon thread finished", "atexit handler ran"]
+    done, fresh = _run(probe, "message")
+    assert done.returncode == 1 and done.stderr.splitlines()[-1] == "the probe's exit message" == \
+        fresh.stderr.splitlines()[-1]
     done, fresh = _run(probe, "raise")
     assert done.returncode == 1 and done.stderr.splitlines()[-1] == "ValueError: the probe's own error"
     assert fresh.stderr.splitlines()[-1] == done.stderr.splitlines()[-1]
