@@ -14,13 +14,13 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from conftest import REPO
+from cli_zygote import python_shim
+from conftest import REPO, USUAL_ENV
 from emulated_nodes import emu
 
 LAUNCHER = REPO / "scripts" / "launch_cluster.sh"
@@ -69,12 +69,13 @@ def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, de
     env.update(PYTHONUNBUFFERED="1", HETPIPE_JOB_TOKEN=secrets.token_hex(32),
                RDZV_ENDPOINT=f"{nodes[0].addrs['eth1']}:29400",
                HETPIPE_RDZV_TIMEOUT_S=f"{rdzv_timeout_s or deadline_s:g}", HETPIPE_DOCTOR="1" if doctor else "0")
+    shim = python_shim(USUAL_ENV)  # the node's commands fork from this worker's zygote (tests/cli_zygote.py)
     runs = []
     for node in nodes.nodes:
         if only is not None and node.rank not in only:
             continue
         log = tmp_path / f"node{node.rank}.log"
-        node_env = {**env, "NODE_RANK": str(node.rank), "PYTHON": (python or {}).get(node.rank, sys.executable),
+        node_env = {**env, "NODE_RANK": str(node.rank), "PYTHON": (python or {}).get(node.rank, shim),
                     **extra}
         with log.open("w") as out:
             proc = emu.run_in(node, ["bash", str(LAUNCHER), *args, f"cluster.transport.deadline_s={deadline_s}",

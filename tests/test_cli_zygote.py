@@ -1,5 +1,6 @@
 """The suite's way of running ``python -m`` commands (tests/cli_zygote.py): what a
 command sees and how it ends must be what a fresh interpreter gives."""
+import json
 import os
 import signal
 import subprocess
@@ -103,3 +104,35 @@ def test_variables_code_in_the_worker_sets_for_itself_keep_commands_forked(probe
     done, fresh = _run(probe, "0", env={"TORCHINDUCTOR_CACHE_DIR": str(probe / "inductor"), "MC_LOG_LEVEL": "ERROR"})
     assert done is not None, "the zygote was not used"
     assert done.returncode == fresh.returncode == 0
+
+
+NAMESPACE_PROBE = """
+import json, os, socket, sys
+print(json.dumps({"nics": sorted(name for _, name in socket.if_nameindex()), "mounted": os.path.exists(sys.argv[1]),
+                  "preloaded": "torch" in sys.modules}))
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_a_script_given_the_shim_runs_its_commands_forked_in_its_own_namespaces(tmp_path):
+    # A script's `$PYTHON -m MODULE` through the shim (scripts/determinism_check.sh, an
+    # emulated node's scripts/launch_cluster.sh): inside new network and mount namespaces,
+    # as `ip netns exec` makes, it sees only that network and that mount, and exits as the
+    # script's own interpreter would; `-c` runs the interpreter itself.
+    (tmp_path / "ns_probe.py").write_text(NAMESPACE_PROBE)
+    (tmp_path / "mnt").mkdir()
+    script = ('mount -t tmpfs none "$1/mnt" && touch "$1/mnt/seen" && cd "$1" || exit 9\n'
+              '"$PYTHON" -m ns_probe "$1/mnt/seen" 0\n"$PYTHON" -m ns_probe "$1/mnt/seen" 5\necho "status $?"\n'
+              '"$PYTHON" -c "import sys; print(sys.flags.no_site)"\n')
+    shim = cli_zygote.python_shim(USUAL_ENV)
+    runs = {}
+    for python in (shim, sys.executable):
+        runs[python] = subprocess.run(["unshare", "--net", "--mount", "bash", "-c", script, "probe", str(tmp_path)],
+                                      env={**USUAL_ENV, "PYTHON": python}, text=True, capture_output=True, timeout=60)
+    lines = {python: run.stdout.splitlines() for python, run in runs.items()}
+    assert runs[shim].returncode == 0, runs[shim].stderr
+    assert lines[shim][2:] == lines[sys.executable][2:] == ["status 5", "0"]
+    forked, fresh = json.loads(lines[shim][0]), json.loads(lines[sys.executable][0])
+    assert forked["nics"] == fresh["nics"] == ["lo"] and forked["mounted"] and fresh["mounted"]
+    assert forked["preloaded"] and not fresh["preloaded"], "the shim's command did not come from the zygote"
+    assert not os.path.exists(tmp_path / "mnt" / "seen"), "the mount reached the worker's namespace"

@@ -9,12 +9,12 @@ import json
 import os
 import struct
 import subprocess
-import sys
 
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
+from cli_zygote import python_shim
+from conftest import REPO, USUAL_ENV, run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The pipeline tests' tiny model and batch: a run takes a few seconds.
@@ -225,7 +225,8 @@ def test_plot_without_matplotlib_names_the_extra_and_keeps_the_report(tmp_path):
 
 
 def _parity(out, data):
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0",
+    env = dict(os.environ, PYTHON=python_shim(USUAL_ENV, script_only=["EXTRA_RUNS"]), PYTHONUNBUFFERED="1",
+               HYDRA_FULL_ERROR="0",
                EXTRA_RUNS="mixed_direct=cluster=cpu_mixed cluster.transport.kind=direct")
     return subprocess.run(["bash", str(REPO / "scripts" / "parity_experiment.sh"), str(out), *TINY,
                            f"data.path={data}"],

@@ -11,14 +11,14 @@ bit is for scripts/determinism_check.sh on GPUs.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 from torch.nn.attention import SDPBackend
 
-from conftest import REPO, run_cli, run_pretrain
+from cli_zygote import python_shim
+from conftest import REPO, USUAL_ENV, run_cli, run_pretrain
 from hetpipe.training import determinism
 from hetpipe.errors import ConfigError
 from hetpipe.models import build_model, model_preset
@@ -154,7 +154,7 @@ def check(tmp_path_factory, corpus_prefix):
     """The script's CPU path in two calls, as on a machine that limits one command's time:
     the deterministic runs, then the others into the same directory."""
     out = tmp_path_factory.mktemp("determinism_check")
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    env = dict(os.environ, PYTHON=python_shim(USUAL_ENV), PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     calls = [subprocess.run(["bash", str(REPO / "scripts" / "determinism_check.sh"), "--cpu", "--phase", phase,
                              "--data", corpus_prefix, "--out", str(out)], cwd=REPO, env=env, text=True,
                             capture_output=True, timeout=300) for phase in ("det", "plain")]

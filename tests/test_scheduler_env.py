@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_zygote import python_shim
+from conftest import USUAL_ENV
 from hetpipe.errors import ConfigError
 from hetpipe.launch.scheduler_env import (check_job_token, cluster_choice, derive, expand_hostlist, load_cluster,
                                    read_token_file)
@@ -246,7 +248,7 @@ def test_multi_node_needs_a_token_but_one_machine_does_not():
 # --- the CLI and the launcher -----------------------------------------------------------------
 
 def test_cli_prints_exports_that_a_shell_evals():
-    env = _clean_env(**_slurm_task("mi325x-a02"), HETPIPE_JOB_TOKEN=TOKEN, PYTHON=sys.executable)
+    env = _clean_env(**_slurm_task("mi325x-a02"), HETPIPE_JOB_TOKEN=TOKEN, PYTHON=python_shim(USUAL_ENV))
     script = ('eval "$("$PYTHON" -m hetpipe.launch.scheduler_env -- +model=llama8b cluster=h200_mi325x_2node '
               'cluster.groups.0.nodes=2 cluster.groups.1.nodes=3 cluster.groups.1.ranks_per_node=4 '
               # this host has none of the shipped config's subnets; lo stands in
@@ -273,7 +275,7 @@ def test_launcher_refuses_a_token_file_others_can_read(tmp_path):
     token.write_text(TOKEN + "\n")
     token.chmod(0o644)
     env = _clean_env(NODE_RANK="1", RDZV_ENDPOINT="127.0.0.1:29400", HETPIPE_JOB_TOKEN_FILE=str(token),
-                     PYTHON=sys.executable)
+                     PYTHON=python_shim(USUAL_ENV))
     proc = subprocess.run(["bash", str(LAUNCHER), "+model=tiny_llama", "cluster=cpu_mixed"], env=env, cwd=REPO,
                           text=True, capture_output=True, timeout=60)
     assert proc.returncode == 2
@@ -300,7 +302,7 @@ def _two_nodes(tmp_path: Path, **extra: str) -> tuple[str, str]:
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = _clean_env(PYTHON=sys.executable, HETPIPE_JOB_TOKEN=TOKEN, RDZV_ENDPOINT=f"127.0.0.1:{port}", **extra)
+    env = _clean_env(PYTHON=python_shim(USUAL_ENV), HETPIPE_JOB_TOKEN=TOKEN, RDZV_ENDPOINT=f"127.0.0.1:{port}", **extra)
     node1 = subprocess.Popen(["bash", str(LAUNCHER), *TWO_NODE_ARGS, f"hydra.run.dir={tmp_path / 'node1'}"],
                              env={**env, "NODE_RANK": "1"}, cwd=REPO, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -322,7 +324,7 @@ def test_two_nodes_on_this_machine_train_like_one(tmp_path):
     assert (tmp_path / "node0" / "metrics.jsonl").is_file()
     assert not (tmp_path / "node1" / "metrics.jsonl").exists()
     alone = subprocess.run(["bash", str(LAUNCHER), *TWO_NODE_ARGS, f"hydra.run.dir={tmp_path / 'alone'}"],
-                           env=_clean_env(PYTHON=sys.executable), cwd=REPO, text=True, capture_output=True,
+                           env=_clean_env(PYTHON=python_shim(USUAL_ENV)), cwd=REPO, text=True, capture_output=True,
                            timeout=240)
     assert alone.returncode == 0, alone.stderr[-3000:]
     losses = {run: [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
