@@ -77,15 +77,14 @@ def fork_servers_started(log: Path) -> int:
 # scripts/test.sh runs the suite on pytest-xdist workers, each taking whole
 # modules (--dist loadscope: a module's shared reference runs are made once)
 # in collection order (--no-loadscope-reorder). Handing out the longest
-# modules first keeps the last minutes from running on one worker: these took
-# 65-166 s each with three workers on two cores (2026-11-26, fresh clone, per
-# test start and end times), most others < 60 s.
+# modules first keeps the last minutes from running on one worker: these were
+# the slowest, longest first, in the last measured run (docs/benchmarks.md,
+# "The suite's time").
 LONGEST_MODULES_FIRST = (
-    "test_nic_faults.py", "test_pipeline.py", "test_zero_bubble.py", "test_parallel_cli.py",
-    "test_checkpoint_resume.py", "test_fused.py", "test_determinism.py", "test_bench_peer.py", "test_pretrain.py",
-    "test_partitioner_cli.py", "test_precision.py", "test_mooncake_mover.py", "test_node_faults.py",
-    "test_long_runs.py", "test_launcher_restart.py", "test_parallel_tp.py", "test_scheduler_env.py",
-    "test_checkpoint_nodes.py", "test_validation.py",
+    "test_nic_faults.py", "test_fused.py", "test_bench_peer.py", "test_launcher_restart.py", "test_pipeline.py",
+    "test_parallel_tp.py", "test_determinism.py", "test_pretrain.py", "test_parallel_cli.py",
+    "test_checkpoint_resume.py", "test_zero_bubble.py", "test_fd_limit.py", "test_partitioner_cli.py",
+    "test_doctor.py", "test_memory_fit.py", "test_node_faults.py", "test_forged_verdicts.py", "test_families.py",
 )
 
 

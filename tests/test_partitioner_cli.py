@@ -76,7 +76,7 @@ def test_multirun_sweeps_clusters_and_splits(tmp_path):
 def test_bad_input_is_one_line_with_the_shortfall(tmp_path):
     cases = [
         (["+planner.catalog.H200={memory_gib: 8}", "+planner.catalog.MI325X={memory_gib: 8}"],
-         "llama8b does not fit on cluster 'h200_mi325x_2node' under any plan"),
+         "llama8b does not fit on cluster 'h200_mi325x_2node' under any plan: even the least memory-hungry plan"),
         (["cluster.groups.1.device_type=MI999"], "unknown device type 'MI999'"),
         (["planner.tp=5"], "planner.tp=5 does not divide model.num_attention_heads=32"),
     ]
@@ -85,10 +85,9 @@ def test_bad_input_is_one_line_with_the_shortfall(tmp_path):
         assert proc.returncode == 2, proc.stdout
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("hetpipe: error: ") and message in lines[0], proc.stderr
+        assert "short by" in lines[0] or "does not fit" not in message  # the shortfall, said
     proc = run_cli(["-m", "hetpipe.plan", f"hydra.run.dir={tmp_path}"], timeout=60)
     assert proc.returncode == 2 and "no model chosen: add +model=NAME" in proc.stderr
-    assert "short by" in run_cli(["-m", "hetpipe.plan", *PAPER, *cases[0][0],
-                                  f"hydra.run.dir={tmp_path}"], timeout=120).stderr
 
 
 # Plans in a fresh interpreter (run_cli's forked one has torch loaded) and says whether torch came in.
