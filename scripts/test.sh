@@ -13,10 +13,11 @@
 # workers' processes on two cores, threads spinning in OpenMP barriers stole
 # each other's cores (tests/test_pretrain.py's 40-step CLI run: 15 s alone,
 # 100 s in the suite).
-# Each `python -m hetpipe...` command a test runs is a process forked from one
-# interpreter per worker that imported torch and hetpipe once (tests/cli_zygote.py):
-# a fresh one spent 2 CPU-s importing, and its ranks' fork server 3.6 more
-# (HETPIPE_TEST_FRESH_PYTHON=1: fresh interpreters, as scripts/torch_matrix.sh runs).
+# Each `python -m hetpipe...` command a test runs (and those of the scripts and
+# emulated nodes it starts) is a process forked from one interpreter per worker
+# that imported torch and hetpipe once (tests/cli_zygote.py): a fresh one spent
+# 2 CPU-s importing, and its ranks' fork server 3.6 more (HETPIPE_TEST_FRESH_PYTHON=1:
+# fresh interpreters, as scripts/torch_matrix.sh runs).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k hf -x`.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
