@@ -161,7 +161,13 @@ def run_command(request, fds):
 
 
 def wait_for(pid, conn):
+    # The caller's end closing first (a shim killed, a test gone) SIGKILLs the command: it
+    # would otherwise run on unseen, on the suite's CPU.
     conn.send(json.dumps({"pid": pid}).encode())
+    import select
+    ended = os.pidfd_open(pid)
+    if ended not in select.select([ended, conn], [], [])[0]:
+        os.kill(pid, signal.SIGKILL)
     status = os.waitpid(pid, 0)[1]
     try:
         conn.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())

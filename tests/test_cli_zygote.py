@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -136,3 +137,18 @@ def test_a_script_given_the_shim_runs_its_commands_forked_in_its_own_namespaces(
     assert forked["nics"] == fresh["nics"] == ["lo"] and forked["mounted"] and fresh["mounted"]
     assert forked["preloaded"] and not fresh["preloaded"], "the shim's command did not come from the zygote"
     assert not os.path.exists(tmp_path / "mnt" / "seen"), "the mount reached the worker's namespace"
+
+
+def test_a_killed_shim_takes_its_command_with_it(probe):
+    # A command whose caller is gone (a test's cleanup killed the shim) must not run on unseen.
+    shim = cli_zygote.python_shim(USUAL_ENV)
+    proc = subprocess.Popen([shim, "-m", "zygote_probe", "hang"], cwd=probe, env=dict(USUAL_ENV), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    command = json.loads(proc.stdout.readline())["pid"]
+    assert command != proc.pid, "the shim's command did not come from the zygote"
+    proc.kill()
+    proc.wait(10)
+    gone_by = time.monotonic() + 10
+    while os.path.exists(f"/proc/{command}") and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{command}"), "the command outlived its shim"

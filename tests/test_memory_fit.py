@@ -24,7 +24,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from cli_zygote import python_shim
+from conftest import REPO, USUAL_ENV
 from hetpipe.devices.cluster import ClusterConfig, GroupConfig
 from hetpipe.training import host_memory_fit
 from hetpipe.devices.facts import host_memory_gib
@@ -154,7 +155,7 @@ def run_timed(args: list[str], fault: str = "", timeout: float = 180, **env: str
     another rank's error line can land between them in a merged stream."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", HETPIPE_FAULT=fault, **env)
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([python_shim(USUAL_ENV), *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     streams: tuple[list, list] = ([], [])
 
