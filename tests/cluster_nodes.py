@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ def plain_env() -> dict[str, str]:
 def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, deadline_s: float = 15.0,
                 rdzv_timeout_s: Optional[float] = None, python: Optional[dict[int, str]] = None,
                 only: Optional[Sequence[int]] = None, doctor: bool = False,
-                env: Optional[dict[str, str]] = None) -> list[NodeRun]:
+                env: Optional[dict[str, str]] = None, forked: bool = False) -> list[NodeRun]:
     """launch_cluster.sh ``args`` on every node (or the nodes ``only`` lists); node k's
     run dir is ``tmp_path/run<k>``. torchrun's rendezvous waits ``rdzv_timeout_s``
     (default: the deadline) for the other node; ``python`` replaces the
@@ -65,17 +66,21 @@ def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, de
     probes would add traffic to the NIC counters these tests read, and fault
     tests time the job alone (tests/test_doctor.py and test_scheduler_env.py run it).
     ``env`` joins every node's environment last (an injected fault, hetpipe.process.faults)."""
+    # Fresh launchers unless the test asks for the zygote's (tests/cli_zygote.py): forked
+    # ones end sooner, and on a loaded machine node 0 (the host of the job's store) then
+    # often ended before node 1 after a fault, whose last store calls printed torch's C++
+    # frames (docs/benchmarks.md, "The suite's time, second step").
+    default_python = python_shim(USUAL_ENV) if forked else sys.executable
     extra, env = env or {}, plain_env()
     env.update(PYTHONUNBUFFERED="1", HETPIPE_JOB_TOKEN=secrets.token_hex(32),
                RDZV_ENDPOINT=f"{nodes[0].addrs['eth1']}:29400",
                HETPIPE_RDZV_TIMEOUT_S=f"{rdzv_timeout_s or deadline_s:g}", HETPIPE_DOCTOR="1" if doctor else "0")
-    shim = python_shim(USUAL_ENV)  # the node's commands fork from this worker's zygote (tests/cli_zygote.py)
     runs = []
     for node in nodes.nodes:
         if only is not None and node.rank not in only:
             continue
         log = tmp_path / f"node{node.rank}.log"
-        node_env = {**env, "NODE_RANK": str(node.rank), "PYTHON": (python or {}).get(node.rank, shim),
+        node_env = {**env, "NODE_RANK": str(node.rank), "PYTHON": (python or {}).get(node.rank, default_python),
                     **extra}
         with log.open("w") as out:
             proc = emu.run_in(node, ["bash", str(LAUNCHER), *args, f"cluster.transport.deadline_s={deadline_s}",

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_zygote import python_shim
-from conftest import REPO, USUAL_ENV
+from conftest import REPO
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,10 +44,7 @@ def start(run_dir: Path, *overrides: str, fault: str = "", session: bool = False
     env.pop("HETPIPE_FAULT", None)
     if fault:
         env["HETPIPE_FAULT"] = fault
-    # Forked from the zygote through its shim, which passes signals on, unless the test
-    # signals the job's process group (session): a forked launcher is not in the shim's.
-    python = sys.executable if session else python_shim(USUAL_ENV)
-    return subprocess.Popen([python, "-m", "hetpipe.pretrain", *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+    return subprocess.Popen([sys.executable, "-m", "hetpipe.pretrain", *TINY, *overrides, f"hydra.run.dir={run_dir}"],
                             cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=session)
 

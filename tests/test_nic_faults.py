@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import time
 from typing import Iterator
 
@@ -79,10 +78,7 @@ def job_processes(node: emu.Node) -> list[str]:
 @pytest.mark.parametrize("down", ["node1-eth1", "node1-eth2", "node0-eth1", "node0-eth2"])
 def test_any_nic_down_stops_every_rank_of_both_nodes_naming_the_link(tmp_path, nodes, down):
     faulty, nic = int(down[4]), down.split("-")[1]
-    # Fresh interpreters, not the zygote's forks: forked launchers end sooner, and on a
-    # loaded machine node 0's (the store's host) then often ended before node 1's, whose
-    # last store calls printed torch's C++ frames (docs/benchmarks.md, "The suite's time").
-    runs = start_nodes(nodes, FOREVER, tmp_path, deadline_s=DEADLINE_S, python={0: sys.executable, 1: sys.executable})
+    runs = start_nodes(nodes, FOREVER, tmp_path, deadline_s=DEADLINE_S)
     wait_for("training steps", training(tmp_path / "run0"), runs)
     for node in nodes.nodes:
         # The launchers' stores and the ranks' sockets listen on the node's NICs, none on all
