@@ -65,7 +65,8 @@ def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, de
     launch_cluster.sh's pre-flight doctor is off unless ``doctor``: its bandwidth
     probes would add traffic to the NIC counters these tests read, and fault
     tests time the job alone (tests/test_doctor.py and test_scheduler_env.py run it).
-    ``env`` joins every node's environment last (an injected fault, hetpipe.process.faults)."""
+    ``env`` joins every node's environment last (an injected fault, hetpipe.process.faults);
+    ``forked``: the launchers fork from this worker's zygote, for a job that succeeds."""
     # Fresh launchers unless the test asks for the zygote's (tests/cli_zygote.py): forked
     # ones end sooner, and on a loaded machine node 0 (the host of the job's store) then
     # often ended before node 1 after a fault, whose last store calls printed torch's C++
