@@ -78,6 +78,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from hetpipe.observe import console_log
 from hetpipe.errors import (EXIT_BAD_INPUT, EXIT_CRASH, EXIT_LOST_PEER, EXIT_OUT_OF_MEMORY, HetpipeError, error_line,
                             fail)
+from hetpipe.launch.departure import leave_in_order
 from hetpipe.launch.dir_lock import release_all as release_dir_locks
 from hetpipe.launch.exit_cause import Ending, OomCounters, ending_from_exitcode, ending_of
 from hetpipe.launch.fd_limit import ensure_fd_limit, launcher_need
@@ -259,6 +260,13 @@ class HetpipeAgent(AgentHooks):
         if self.watch is not None:
             self.watch.stop()
 
+    def leave_in_order(self, hosting: bool) -> None:
+        """Before a launcher whose job failed or was signalled exits, its ranks gone: its mark in
+        the job's store, and if it hosts a store, the other nodes' (hetpipe.launch.departure)."""
+        nodes = self.worker_group.group_world_size or 1
+        if self.watch is not None and self.watch.store is not None and nodes > 1:
+            leave_in_order(self.watch.store, self.watch.where, nodes, hosting)
+
 
 class _WorkerWatch(threading.Thread):
     """Polls one attempt's workers; on the first failed one that could not say why itself,
@@ -277,6 +285,15 @@ class _WorkerWatch(threading.Thread):
         self._alive_at = time.time()  # every worker not seen ended since was alive then
         self._handled = False
         self.verdict: Optional[Cause] = None  # the first failure's, when it was handled here
+
+    @property
+    def store(self) -> Optional[dist.Store]:
+        """The attempt's namespace of the store the agent shares with the ranks (None if it did not answer)."""
+        return self._store
+
+    @property
+    def where(self) -> str:
+        return f"{self._address[0]}:{self._address[1]}"
 
     def stop(self) -> None:
         """Stop watching; a failure being handled is handled to the end (its post, its line)."""
@@ -430,8 +447,9 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
 
     agent_can_set_shutdown_timeout()  # one line where this torch ignores the timeout asked for
     original, registry = launcher_api.LocalElasticAgent, launcher_api.rdzv_registry
+    stores = BoundStores(registry)  # the stores listen on the job's addresses
     launcher_api.LocalElasticAgent = build  # type: ignore[misc,assignment]
-    launcher_api.rdzv_registry = BoundStores(registry)  # type: ignore[assignment]  # stores on the job's addresses
+    launcher_api.rdzv_registry = stores  # type: ignore[assignment]
     try:
         return start()
     except HetpipeError as exc:  # bad input met before any rank started (the open-file limit)
@@ -440,7 +458,7 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         try:
             agents[-1].report_failure(exc)
         except SystemExit as stop:
-            _leave(agents, int(stop.code or 0))
+            _leave(agents, int(stop.code or 0), stores.hosting)
     except SignalException as exc:
         if not agents:
             error_line(f"{node}stopped by {exc.sigval.name} before the ranks started")
@@ -448,26 +466,30 @@ def agent_run(start: Callable[[], T], node: str = "") -> T:
         try:
             agents[-1].report_signal(exc.sigval)
         except SystemExit as stop:
-            _leave(agents, int(stop.code or 0))
+            _leave(agents, int(stop.code or 0), stores.hosting)
     finally:
         launcher_api.LocalElasticAgent, launcher_api.rdzv_registry = original, registry  # type: ignore[misc]
         for agent in agents:
             agent.close()
 
 
-def _leave(agents: list[HetpipeAgent], status: int) -> NoReturn:
+def _leave(agents: list[HetpipeAgent], status: int, hosting: bool) -> NoReturn:
     """End a launcher stopped by a signal, or whose job failed, now, its ranks gone and
     its lines written, without the interpreter's shutdown: torch's store and rendezvous
     threads may be inside C++ calls then, and one such exit aborted the launcher after
     every rank had saved ("terminate called without an active exception", status -6;
     once in a fresh-clone suite run); after a frozen rank's line the shutdown alone took
     seconds on a loaded machine, past the deadline + 5 s a failed job ends within
-    (README, "When a node, NIC or link fails"; tests/test_launcher_restart.py)."""
+    (README, "When a node, NIC or link fails"; tests/test_launcher_restart.py).
+    A launcher that hosts the job's stores (``hosting``) leaves after the other nodes
+    (hetpipe.launch.departure)."""
     for agent in agents:
         agent.close()
         if agent.forked:  # what the local launcher's atexit hooks would do: its directory, its fork server
             shutil.rmtree(agent.launch_dir, ignore_errors=True)
             stop_fork_server()
+    if agents:
+        agents[-1].leave_in_order(hosting)
     release_dir_locks()  # what its atexit hook would do: a failed job leaves no lock file behind
     sys.stdout.flush()
     sys.stderr.flush()

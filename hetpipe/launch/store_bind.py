@@ -118,7 +118,7 @@ def host_rendezvous_store(params: Any) -> Optional[dist.TCPStore]:
 class BoundStores:
     """torch's rendezvous registry as ``launch_agent`` uses it (``get_rendezvous_handler``), but
     each c10d handler's stores listen on the job's addresses (see the module); ``kept`` holds the
-    rendezvous stores made here for as long as the launch runs."""
+    stores made here (this node hosts them) for as long as the launch runs."""
 
     def __init__(self, registry: Any) -> None:
         self._registry = registry
@@ -129,8 +129,18 @@ class BoundStores:
         if store is not None:
             self.kept.append(store)
         handler = self._registry.get_rendezvous_handler(params)
-        make_agent_store_with(handler, agent_store(params.max_nodes > 1))
+        make = agent_store(params.max_nodes > 1)
+        make_agent_store_with(handler, lambda host, port: self._keep(make(host, port)))
         return handler
+
+    @property
+    def hosting(self) -> bool:
+        """Whether this node hosts a store of the launch (the rendezvous store, or the agent's)."""
+        return bool(self.kept)
+
+    def _keep(self, store: dist.TCPStore) -> dist.TCPStore:
+        self.kept.append(store)
+        return store
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._registry, name)
