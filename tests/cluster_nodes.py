@@ -57,7 +57,7 @@ def plain_env() -> dict[str, str]:
 def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, deadline_s: float = 15.0,
                 rdzv_timeout_s: Optional[float] = None, python: Optional[dict[int, str]] = None,
                 only: Optional[Sequence[int]] = None, doctor: bool = False,
-                env: Optional[dict[str, str]] = None, forked: bool = False) -> list[NodeRun]:
+                env: Optional[dict[str, str]] = None, forked: bool = True) -> list[NodeRun]:
     """launch_cluster.sh ``args`` on every node (or the nodes ``only`` lists); node k's
     run dir is ``tmp_path/run<k>``. torchrun's rendezvous waits ``rdzv_timeout_s``
     (default: the deadline) for the other node; ``python`` replaces the
@@ -66,11 +66,8 @@ def start_nodes(nodes: emu.EmulatedNodes, args: list[str], tmp_path: Path, *, de
     probes would add traffic to the NIC counters these tests read, and fault
     tests time the job alone (tests/test_doctor.py and test_scheduler_env.py run it).
     ``env`` joins every node's environment last (an injected fault, hetpipe.process.faults);
-    ``forked``: the launchers fork from this worker's zygote, for a job that succeeds."""
-    # Fresh launchers unless the test asks for the zygote's (tests/cli_zygote.py): forked
-    # ones end sooner, and on a loaded machine node 0 (the host of the job's store) then
-    # often ended before node 1 after a fault, whose last store calls printed torch's C++
-    # frames (docs/benchmarks.md, "The suite's time, second step").
+    ``forked``: the launchers fork from this worker's zygote (tests/cli_zygote.py), else
+    they are fresh interpreters."""
     default_python = python_shim(USUAL_ENV) if forked else sys.executable
     extra, env = env or {}, plain_env()
     env.update(PYTHONUNBUFFERED="1", HETPIPE_JOB_TOKEN=secrets.token_hex(32),

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(420)
 def _run(emulated_nodes, args, tmp_path, name):
     where = tmp_path / name
     where.mkdir()
-    runs = start_nodes(emulated_nodes, args, where, forked=True)  # jobs that succeed: the zygote's launchers
+    runs = start_nodes(emulated_nodes, args, where)
     codes = wait_all(runs, timeout=150)
     assert codes == [0, 0], "".join(f"\n--- node {r.rank}:\n{r.output()[-3000:]}" for r in runs)
     return where, runs

@@ -114,7 +114,10 @@ def test_a_node_killed_before_its_ranks_reach_the_world_group_is_named_by_the_ot
     stuck.write_text(f'#!/bin/bash\nexport PYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}}\n'
                      f'exec {sys.executable} "$@"\n')
     stuck.chmod(0o755)
-    runs = start_nodes(emulated_nodes, FOREVER, tmp_path, deadline_s=STARTUP_DEADLINE_S, python={1: str(stuck)})
+    # Node 0 starts fresh too: forked from the zygote, its ranks' deadline (from their own
+    # start) could run out on a loaded machine before node 1's fresh launcher forked its ranks.
+    runs = start_nodes(emulated_nodes, FOREVER, tmp_path, deadline_s=STARTUP_DEADLINE_S,
+                       python={0: sys.executable, 1: str(stuck)})
     wait_for("ranks on node 1", started.exists, runs)
     killed = time.monotonic()
     kill_node(emulated_nodes[1])
