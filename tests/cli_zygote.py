@@ -23,7 +23,7 @@ again (3.6 CPU-s); in a forked command it is a fork of that command running the
 server's own line, with only the descriptors the fresh one would have.
 
 What it cannot mirror, the caller gets a fresh interpreter for: a command that is
-not ``-m MODULE``, an environment other than the zygote's in anything but hetpipe's
+neither ``-m MODULE`` nor a script by path (the shim's), an environment other than the zygote's in anything but hetpipe's
 own variables and those in RUN_TIME_ONLY (a variable read while importing, such as
 PYTHONPATH or OMP_NUM_THREADS, would not take effect; one the test did not pass for
 the command is also a warning, so a worker whose own environment drifted does not
@@ -99,7 +99,7 @@ OURS = at_import(os.environ)
 def why_fresh(request):
     # What this interpreter cannot mirror: a module imported already (runpy would run a
     # second copy of it), or a variable an interpreter may read while importing.
-    module = sys.modules.get(request["module"])
+    module = sys.modules.get(request.get("module", ""))
     if module is not None and not hasattr(module, "__path__"):
         return ["the module is imported already"]
     if module is not None and request["module"] + ".__main__" in sys.modules:  # a package runs its __main__
@@ -156,8 +156,26 @@ def run_command(request, fds):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = [request["module"], *request["args"]]
-    end_as_an_interpreter_ends(lambda: runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True))
+    script = request.get("script")
+    sys.argv = [script or request["module"], *request["args"]]
+    if script is None:
+        end_as_an_interpreter_ends(lambda: runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True))
+    end_as_an_interpreter_ends(lambda: run_script(script))
+
+
+def run_script(path):
+    # As `python SCRIPT` runs it (runpy.run_path would change sys.argv[0] and __file__):
+    # its directory first on sys.path, its absolute path as __file__, in a new __main__.
+    import builtins, importlib.machinery, types
+    path = os.path.abspath(path)
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__, main.__cached__ = path, builtins, None
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    sys.modules["__main__"] = main
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec")
+    exec(code, main.__dict__)
 
 
 def wait_for(pid, conn):
@@ -340,8 +358,8 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, time
 
 
 SHIM = """#!{python} -S
-# `python` for a script a test runs (its PYTHON): `-m MODULE` runs forked from this
-# worker's zygote (tests/cli_zygote.py), anything else in {python}.
+# `python` for a script a test runs (its PYTHON): `-m MODULE` and `SCRIPT` run forked from
+# this worker's zygote (tests/cli_zygote.py), anything else in {python}.
 import sys
 sys.path.insert(0, {tests!r})
 import zygote_client
@@ -350,8 +368,8 @@ zygote_client.main({path!r}, {python!r}, {script_only!r}, sys.argv[1:])
 
 
 def python_shim(usual_env: dict[str, str], script_only: Iterable[str] = ()) -> str:
-    """An executable that scripts can take for ``python`` (PYTHON=...): it runs
-    ``-m MODULE ARGS`` through this worker's zygote, from any process, in an emulated
+    """An executable that scripts and tests can take for ``python`` (PYTHON=...): it runs
+    ``-m MODULE ARGS`` and ``SCRIPT ARGS`` through this worker's zygote, from any process, in an emulated
     node too (tests/zygote_client.py); the interpreter itself where a fresh one is needed
     or with HETPIPE_TEST_FRESH_PYTHON=1. ``script_only``: variables the test sets for the
     script itself, which its commands inherit but never read while importing."""

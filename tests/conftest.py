@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_zygote import run_module
+from cli_zygote import python_shim, run_module
 from hetpipe.data.demo import stdlib_sources
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,16 +27,16 @@ USUAL_ENV = _cli_env(os.environ)
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python <args>`` as a user would, capturing output, with ``env`` added to the
-    environment: ``-m MODULE`` in a process forked from an interpreter that imported torch
-    and hetpipe already where nothing differs but the import (tests/cli_zygote.py), else
-    in a fresh interpreter."""
+    environment: ``-m MODULE`` or a script by path in a process forked from an interpreter
+    that imported torch and hetpipe already where nothing differs but the import
+    (tests/cli_zygote.py; a script through its python shim), else in a fresh interpreter."""
     env_added, env = list(env or {}), _cli_env({**os.environ, **(env or {})})
     if len(args) >= 2 and args[0] == "-m":
         done = run_module(args[1], args[2:], env, str(cwd or REPO), timeout, USUAL_ENV, passed=env_added)
         if done is not None:
             return done
-    return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=env, text=True,
-                          capture_output=True, timeout=timeout)
+    python = python_shim(USUAL_ENV) if args and args[0].endswith(".py") else sys.executable
+    return subprocess.run([python, *args], cwd=cwd or REPO, env=env, text=True, capture_output=True, timeout=timeout)
 
 
 def run_pretrain(run_dir: Path, args: list[str], timeout: float = 240) -> tuple[subprocess.CompletedProcess, list]:

@@ -2,12 +2,11 @@
 run, and the table carries the measured step beside the cost model's prediction."""
 import argparse
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,11 +15,10 @@ def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, corpus_pre
     out = tmp_path / "bench"
     cpu = ["--set", "cluster.groups.0.device_type=CPU", "--set", "cluster.groups.1.device_type=CPU",
            "--set", "model.hidden_size=64", "--set", "model.ffn_hidden_size=160"]
-    proc = subprocess.run([sys.executable, "scripts/bench_pp2_llm.py", "--out", str(out), "--gpus", "4",
-                           "--model", "tiny_llama", "--seq-length", "32", "--microbatches", "4", "--layers", "2,2",
-                           "--steps", "3", "--data", corpus_prefix,
-                           "--variants", "tcp4+zero1+pure+sched=zb_v,tp2+sched=zb_h1", *cpu],
-                          cwd=REPO, text=True, capture_output=True, timeout=280)
+    proc = run_cli(["scripts/bench_pp2_llm.py", "--out", str(out), "--gpus", "4",
+                    "--model", "tiny_llama", "--seq-length", "32", "--microbatches", "4", "--layers", "2,2",
+                    "--steps", "3", "--data", corpus_prefix,
+                    "--variants", "tcp4+zero1+pure+sched=zb_v,tp2+sched=zb_h1", *cpu], timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())["results"]
     pp_dp = results["tcp4+zero1+pure+sched=zb_v"]

@@ -1,19 +1,17 @@
 """scripts/bench_layer.py's backward split on a CPU: F, B and W timed apart
 beside the fused backward, for eager and fused layers (tiny shapes)."""
 import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/bench_layer.py", "--model", "tiny_llama", "--seq-length", "32",
-                           "--layers", "1", "--microbatches", "1", "--iters", "1", *args],
-                          cwd=REPO, text=True, capture_output=True, timeout=110)
+    return run_cli(["scripts/bench_layer.py", "--model", "tiny_llama", "--seq-length", "32",
+                    "--layers", "1", "--microbatches", "1", "--iters", "1", *args], timeout=110)
 
 
 def test_split_variants_time_f_b_w_against_the_fused_backward():

@@ -6,8 +6,6 @@ single-process trainer's (same seed, weights, data order, optimizer and LR
 schedule) to fp32 rounding: the two differ only in summation orders.
 """
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -28,8 +26,7 @@ def _peer(tmp_path, data, *extra, name="peer", env=None):
             "--seq-length", str(SHAPE["seq_length"]), "--micro-batch-size", str(SHAPE["micro_batch_size"]),
             "--microbatches", str(SHAPE["microbatches"]), "--steps", str(STEPS), "--warmup", "1",
             "--data", data, "--device", "cpu", "--opt", *OPT, "--out", str(out), *extra]
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, text=True, capture_output=True, timeout=120,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    proc = run_cli(args, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return json.loads(out.read_text()), lines
@@ -99,9 +96,8 @@ def test_v_schedules_train_the_same(tmp_path, corpus_prefix, ours, schedule, lay
 
 
 def test_a_v_split_with_an_empty_middle_stage_is_one_line():
-    proc = subprocess.run([sys.executable, "scripts/bench_pipelining_peer.py", "--model", "tiny_llama",
-                           "--device", "cpu", "--seq-length", "32", "--schedule", "zbv", "--layers", "3,1"],
-                          cwd=REPO, text=True, capture_output=True, timeout=60)
+    proc = run_cli(["scripts/bench_pipelining_peer.py", "--model", "tiny_llama", "--device", "cpu",
+                    "--seq-length", "32", "--schedule", "zbv", "--layers", "3,1"], timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("bench_pipelining_peer: --layers [2, 1, 0, 1]: plan gives virtual stage(s) [2] "
                                    "no model units")

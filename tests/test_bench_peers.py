@@ -3,13 +3,12 @@ generated configs against hetpipe's model, one FLOPs formula for all, and a
 failing peer kept in the table with its error. The peers themselves need GPUs;
 nothing here imports torchtitan or megatron."""
 import json
-import subprocess
 import sys
 import tomllib
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli
 from hetpipe.models.flops import megatron_model_flops
 from hetpipe.models.model_config import model_preset
 
@@ -125,10 +124,9 @@ def test_a_failing_peer_is_in_the_table_with_its_error(tmp_path, corpus_prefix):
     fake = tmp_path / "fake_torchrun.py"
     fake.write_text(FAKE_TORCHRUN)
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "scripts/bench_peers.py", "--out", str(out), "--data", corpus_prefix,
-                           "--runs", "torchtitan,megatron", "--steps", "3", "--warmup", "1",
-                           "--launcher", f"{sys.executable} {fake}"],
-                          cwd=REPO, text=True, capture_output=True, timeout=100)
+    proc = run_cli(["scripts/bench_peers.py", "--out", str(out), "--data", corpus_prefix,
+                    "--runs", "torchtitan,megatron", "--steps", "3", "--warmup", "1",
+                    "--launcher", f"{sys.executable} {fake}"], timeout=100)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())["results"]
     titan, megatron = results["torchtitan"], results["megatron"]

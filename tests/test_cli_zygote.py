@@ -152,3 +152,40 @@ def test_a_killed_shim_takes_its_command_with_it(probe):
     while os.path.exists(f"/proc/{command}") and time.monotonic() < gone_by:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{command}"), "the command outlived its shim"
+
+
+SCRIPT_PROBE = """
+import json, multiprocessing, os, sys
+import sibling
+
+
+def child(queue):
+    queue.put(sibling.WORD)
+
+
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("spawn").Queue()
+    proc = multiprocessing.get_context("spawn").Process(target=child, args=(queue,))
+    proc.start()
+    print(json.dumps({"argv": sys.argv, "file": __file__, "path0": sys.path[0], "spawned": queue.get(timeout=60),
+                      "preloaded": "torch" in sys.modules}))
+    proc.join()
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_script_by_path_runs_forked_as_python_runs_it(tmp_path):
+    # `python scripts/bench_....py ARGS` through the shim: the script's directory first on
+    # sys.path (its sibling modules import), __main__, its argv, and a spawned child that
+    # imports the script again as multiprocessing does; its exit status.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "script_probe.py").write_text(SCRIPT_PROBE)
+    (tmp_path / "scripts" / "sibling.py").write_text("WORD = 'from the sibling'\n")
+    runs = {python: subprocess.run([python, "scripts/script_probe.py", "4", "--flag"], cwd=tmp_path,
+                                   env=dict(USUAL_ENV), text=True, capture_output=True, timeout=90)
+            for python in (cli_zygote.python_shim(USUAL_ENV), sys.executable)}
+    (forked, fresh) = [json.loads(run.stdout.splitlines()[0]) for run in runs.values()]
+    assert [run.returncode for run in runs.values()] == [4, 4], [run.stderr for run in runs.values()]
+    assert forked["preloaded"] and not fresh["preloaded"], "the script did not run in the zygote's fork"
+    assert forked | {"preloaded": 0} == fresh | {"preloaded": 0}
+    assert forked["spawned"] == "from the sibling" and forked["argv"] == ["scripts/script_probe.py", "4", "--flag"]

@@ -1,5 +1,5 @@
 """The ``python`` a script gets from :func:`cli_zygote.python_shim`: ``-m MODULE ARGS``
-runs as a fork of the pytest worker's zygote, with this process's standard streams,
+(or ``SCRIPT ARGS``) runs as a fork of the pytest worker's zygote, with this process's standard streams,
 environment, working directory and namespaces (an emulated node's network and /sys),
 and this process stands for it: signals sent here go to the command, and it exits
 as the command did. Anything else, or a command the zygote cannot mirror, execs the
@@ -17,7 +17,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 
 def main(path: str, python: str, script_only: list[str], argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "-m":
+    if argv[:1] == ["-m"] and len(argv) > 1:
+        command = {"module": argv[1], "args": argv[2:]}
+    elif argv and not argv[0].startswith("-") and os.path.isfile(argv[0]):
+        command = {"script": argv[0], "args": argv[1:]}
+    else:  # an option of the interpreter's own, or no such script: as it says
         os.execv(python, [python, *argv])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -25,8 +29,7 @@ def main(path: str, python: str, script_only: list[str], argv: list[str]) -> Non
     except OSError:  # the worker's zygote is gone
         os.execv(python, [python, *argv])
     namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY) for name in ("net", "mnt")]
-    request = {"module": argv[1], "args": argv[2:], "env": dict(os.environ), "cwd": os.getcwd(),
-               "script_only": script_only}
+    request = {**command, "env": dict(os.environ), "cwd": os.getcwd(), "script_only": script_only}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, *namespaces])
     reply = json.loads(conn.recv(1 << 16) or b'{"fresh": ["the zygote ended"]}')
     if "fresh" in reply:
