@@ -13,6 +13,10 @@
 # workers' processes on two cores, threads spinning in OpenMP barriers stole
 # each other's cores (tests/test_pretrain.py's 40-step CLI run: 15 s alone,
 # 100 s in the suite).
+# The C++ kernels inductor compiles for the fused and compiled paths on a CPU are
+# scalar (TORCHINDUCTOR_VEC_ISA_OK=0, unless set): the same graphs and fusions, the
+# same comparisons with eager, for less compiler work on a cold cache, as CI has
+# (docs/benchmarks.md, "The suite's time, third step"); GPU runs compile Triton.
 # Each `python -m hetpipe...` command a test runs (and those of the scripts and
 # emulated nodes it starts) is a process forked from one interpreter per worker
 # that imported torch and hetpipe once (tests/cli_zygote.py): a fresh one spent
@@ -26,4 +30,5 @@ cd "$root"
 cores=$(nproc)
 workers=${HETPIPE_TEST_WORKERS:-$((cores + 1 < 4 ? cores + 1 : 4))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TORCHINDUCTOR_VEC_ISA_OK=${TORCHINDUCTOR_VEC_ISA_OK:-0}
 exec "$root/.venv/bin/python" -m pytest -q -n "$workers" --dist loadscope --no-loadscope-reorder "$@"

@@ -28,6 +28,7 @@ status=0
 cores=$(nproc)
 workers=${HETPIPE_TEST_WORKERS:-$((cores + 1 < 4 ? cores + 1 : 4))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one intra-op thread per process, as scripts/test.sh says why
+export TORCHINDUCTOR_VEC_ISA_OK=${TORCHINDUCTOR_VEC_ISA_OK:-0}  # scalar CPU kernels, as scripts/test.sh says why
 # Every command in a fresh interpreter, as users start them: the main suite forks its
 # `python -m` commands from one that imported torch and hetpipe once (tests/cli_zygote.py),
 # so here each release also runs the real start-up.
