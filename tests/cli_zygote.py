@@ -23,14 +23,14 @@ again (3.6 CPU-s); in a forked command it is a fork of that command running the
 server's own line, with only the descriptors the fresh one would have.
 
 What it cannot mirror, the caller gets a fresh interpreter for: a command that is
-neither ``-m MODULE`` nor a script by path (the shim's), an environment other than the zygote's in anything but hetpipe's
-own variables and those in RUN_TIME_ONLY (a variable read while importing, such as
-PYTHONPATH or OMP_NUM_THREADS, would not take effect; one the test did not pass for
-the command is also a warning, so a worker whose own environment drifted does not
-quietly run everything fresh), a module the zygote has imported already, or a zygote
-that printed anything while importing (a warning it swallowed would be one the
-command's output lacks). HETPIPE_TEST_FRESH_PYTHON=1 gives every command a fresh
-interpreter.
+neither ``-m MODULE`` nor a script by path (the shim's), an environment other than
+the zygote's in anything but hetpipe's own variables and those in RUN_TIME_ONLY (a
+variable read while importing, such as PYTHONPATH or OMP_NUM_THREADS, would not take
+effect; one the test did not pass for the command is also a warning, so a worker
+whose own environment drifted does not quietly run everything fresh), a module the
+zygote has imported already, or a zygote that printed anything while importing (a
+warning it swallowed would be one the command's output lacks).
+HETPIPE_TEST_FRESH_PYTHON=1 gives every command a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -160,7 +160,8 @@ def run_command(request, fds):
     sys.argv = [script or request["module"], *request["args"]]
     if script is None:
         end_as_an_interpreter_ends(lambda: runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True))
-    end_as_an_interpreter_ends(lambda: run_script(script))
+    else:
+        end_as_an_interpreter_ends(lambda: run_script(script))
 
 
 def run_script(path):
@@ -218,6 +219,8 @@ def serve(conn):
     os._exit(0)
 
 
+import gc
+gc.freeze()  # what was imported lives on: a command's collections skip it and leave its pages shared
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped as they end
 sys.stdout.flush(); sys.stderr.flush()
 control = socket.socket(fileno=int(sys.argv[1]))
@@ -369,8 +372,8 @@ zygote_client.main({path!r}, {python!r}, {script_only!r}, sys.argv[1:])
 
 def python_shim(usual_env: dict[str, str], script_only: Iterable[str] = ()) -> str:
     """An executable that scripts and tests can take for ``python`` (PYTHON=...): it runs
-    ``-m MODULE ARGS`` and ``SCRIPT ARGS`` through this worker's zygote, from any process, in an emulated
-    node too (tests/zygote_client.py); the interpreter itself where a fresh one is needed
+    ``-m MODULE ARGS`` and ``SCRIPT ARGS`` through this worker's zygote, from any process,
+    in an emulated node too (tests/zygote_client.py); the interpreter itself where a fresh one is needed
     or with HETPIPE_TEST_FRESH_PYTHON=1. ``script_only``: variables the test sets for the
     script itself, which its commands inherit but never read while importing."""
     if os.environ.get("HETPIPE_TEST_FRESH_PYTHON") == "1":

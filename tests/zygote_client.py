@@ -1,6 +1,6 @@
 """The ``python`` a script gets from :func:`cli_zygote.python_shim`: ``-m MODULE ARGS``
-(or ``SCRIPT ARGS``) runs as a fork of the pytest worker's zygote, with this process's standard streams,
-environment, working directory and namespaces (an emulated node's network and /sys),
+(or ``SCRIPT ARGS``) runs as a fork of the pytest worker's zygote, with this process's
+standard streams, environment, working directory and namespaces (an emulated node's network and /sys),
 and this process stands for it: signals sent here go to the command, and it exits
 as the command did. Anything else, or a command the zygote cannot mirror, execs the
 interpreter itself. Standard library only: this starts without site-packages."""
