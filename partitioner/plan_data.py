@@ -14,14 +14,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import yaml
 
 from hetpipe.errors import ConfigError
 from hetpipe.models.train_modes import RECOMPUTE_MODES
+from hetpipe.pipeline.microbatches import microbatches_per_step
 from hetpipe.pipeline.placement import Placement
 from hetpipe.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULES, Schedule, schedule_spec, several_chunks
+
+if TYPE_CHECKING:
+    from hetpipe.partitioner.inputs import TrainShape
 
 
 @dataclass
@@ -87,6 +91,17 @@ class Plan:
     def placement(self) -> Placement:
         """Which virtual stage each (pipeline rank, chunk) holds under this plan's schedule."""
         return Placement(self.schedule, self.pipeline_size, self.num_chunks)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: every stage's (resolve.check_runnable holds them equal)."""
+        return self.stages[0].dp
+
+    def microbatches(self, train: TrainShape) -> int:
+        """Microbatches each pipeline replica runs per optimizer step: ``train``'s
+        global batch over this plan's DP replicas. The engine's schedule, the DP
+        reducer, the validator, the step's loss and the memory model read it here."""
+        return microbatches_per_step(train.global_batch_size, train.micro_batch_size, self.dp)
 
     @property
     def num_layers(self) -> int:

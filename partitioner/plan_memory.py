@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from hetpipe.pipeline.microbatches import microbatches_per_step
 from hetpipe.devices.cluster import ClusterConfig
 from hetpipe.errors import ConfigError
 from hetpipe.models.model_config import ModelConfig
@@ -43,8 +42,7 @@ def predicted_memory_gib(plan: Plan, model: ModelConfig, cluster: ClusterConfig,
     ctx = _context(model, cluster, train, planner, plan.stages[0].cp, cp_method)
     if ctx is None:
         return None
-    dp = plan.stages[0].dp
-    microbatches = max(1, microbatches_per_step(train.global_batch_size, train.micro_batch_size, dp))
+    microbatches = max(1, plan.microbatches(train))
     if schedule_model.is_v_shaped(plan.schedule):
         memory = _v_memory(ctx, plan, microbatches)
     else:

@@ -140,7 +140,7 @@ def build_validator(cfg: PretrainConfig, plan: Plan, topo: Topology, engine: Pip
     loader = validation_loader(cfg, topo.dp_rank, topo.dp_size)
     if loader is None:
         return None
-    actions = forward_only(plan.pipeline_size, loader.num_microbatches, plan.num_chunks,
+    actions = forward_only(plan.pipeline_size, plan.microbatches(cfg.train), plan.num_chunks,
                            plan.schedule)[topo.pp_rank]
     return Validator(cfg.train.eval_interval, cfg.train.eval_iters, loader, engine, actions,
                      contributes and topo.cp_rank == 0, topo.dp_rank, topo.dp_size,

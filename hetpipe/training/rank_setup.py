@@ -205,8 +205,8 @@ def set_up(cfg: PretrainConfig, plan: Plan, topo: Topology, run_dir: Path,
     channels = topo.build_channels() if topo.pipeline_size > 1 else {}
     loader = loader_for(cfg, topo.dp_rank, topo.dp_size)
     model = _build_model(cfg, plan, topo, precision, fp8)
-    engine = _build_engine(cfg, plan, topo, model, channels, loader.num_microbatches)
-    reducer, optimizer, clipper = _build_optimizer(cfg, topo, model.chunks, loader.num_microbatches)
+    engine = _build_engine(cfg, plan, topo, model, channels)
+    reducer, optimizer, clipper = _build_optimizer(cfg, plan, topo, model.chunks)
     is_last = any(chunk.is_last for chunk in model.chunks)
     counts_loss = is_last and topo.tp_rank == 0
     token_weights = step_weights(cfg.data.eod_mask_loss, is_last, topo.dp_group, topo.device)
@@ -248,12 +248,11 @@ def _build_model(cfg: PretrainConfig, plan: Plan, topo: Topology, precision: str
     return _Model(chunks, precision, weights, fused, compiled)
 
 
-def _build_engine(cfg: PretrainConfig, plan: Plan, topo: Topology, model: _Model, channels: dict,
-                  num_microbatches: int) -> PipelineEngine:
+def _build_engine(cfg: PretrainConfig, plan: Plan, topo: Topology, model: _Model, channels: dict) -> PipelineEngine:
     """This rank's engine: its actions of the plan's schedule over its channels,
     and on GPUs every kernel loaded before any receive is posted ahead."""
     t, device, P = cfg.train, topo.device, plan.pipeline_size
-    actions = build_schedule(plan.schedule, P, num_microbatches, plan.num_chunks)[topo.pp_rank]
+    actions = build_schedule(plan.schedule, P, plan.microbatches(t), plan.num_chunks)[topo.pp_rank]
     engine = PipelineEngine(model.chunks, actions, channels, rank=topo.pp_rank, pipeline_size=P,
                             activation_shape=(t.micro_batch_size, t.seq_length // topo.cp_size, cfg.model.hidden_size),
                             activation_dtype=activation_dtype(model.precision), device=device, precision=model.precision,
@@ -268,14 +267,14 @@ def _build_engine(cfg: PretrainConfig, plan: Plan, topo: Topology, model: _Model
     return engine
 
 
-def _build_optimizer(cfg: PretrainConfig, topo: Topology, chunks: list,
-                     num_microbatches: int) -> tuple[Optional[GradReducer], torch.optim.Optimizer, GradNormClipper]:
+def _build_optimizer(cfg: PretrainConfig, plan: Plan, topo: Topology,
+                     chunks: list) -> tuple[Optional[GradReducer], torch.optim.Optimizer, GradNormClipper]:
     """The DP x CP gradient reducer (where there is more than one replica), AdamW
     (ZeRO-1 sharded where asked) and the global gradient-norm clipper."""
     reducer = None
     if topo.dp_size * topo.cp_size > 1:  # CP ranks hold the same parameters, partial gradients
         reducer = GradReducer(chunks, topo.dp_group, bucket_bytes=int(cfg.partition.grad_bucket_mb * 2**20),
-                              microbatches_per_step=num_microbatches)
+                              microbatches_per_step=plan.microbatches(cfg.train))
     optimizer = build_optimizer(chunks, cfg.optimizer, topo.device, topo.dp_group)
     world_group = dist.group.WORLD if topo.world_size > 1 else None
     clipper = GradNormClipper(cfg.model, chunks, world_group, contributes=topo.dp_rank == 0 and topo.cp_rank == 0)

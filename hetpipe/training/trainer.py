@@ -243,7 +243,7 @@ def _open_metrics(r: Rank, start: int) -> MetricsLogger:
           f"{' (compiled layers)' if r.compiled else ' (fused elementwise)' if r.fused else ''}, "
           f"{determinism.describe(t.deterministic)}"
           f"{f'GEMMs leave {r.carveout} SMs to the NCCL boundary, ' if r.carveout else ''}"
-          f"{r.loader.num_microbatches} microbatches/step per DP rank, {r.loader.tokens_per_step} tokens/step, "
+          f"{r.plan.microbatches(t)} microbatches/step per DP rank, {r.loader.tokens_per_step} tokens/step, "
           f"run dir {run_dir}", flush=True)
     return logger
 
@@ -303,7 +303,7 @@ def _log_step(r: Rank, logger: Optional[MetricsLogger], step: int, result: _Step
                 consecutive_skips=guard.consecutive, skipped_steps=guard.total)
         return None
     # Each CP rank's loss is its share of the sequence's mean times CP (hetpipe.models.context_hooks).
-    mean_loss = result.loss_sum / (r.loader.num_microbatches * r.topo.dp_size * r.topo.cp_size)
+    mean_loss = result.loss_sum / (r.plan.microbatches(r.cfg.train) * r.topo.dp_size * r.topo.cp_size)
     if logger is not None:
         if logger.straggler is not None:
             logger.straggler.add(result.busy)
