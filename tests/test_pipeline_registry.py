@@ -63,6 +63,10 @@ def test_the_planner_lists_exactly_the_entries_it_prices():
 
 def test_the_engine_has_a_handler_for_every_action():
     assert set(PipelineEngine._HANDLERS) == set(ACTION_KINDS)
+    # Validation runs every schedule's forward-only list through its own handlers.
+    kinds = {a.kind for spec in SCHEDULES.values()
+             for rank in forward_only(4, 8, spec.chunks or 2, spec.name) for a in rank}
+    assert kinds and kinds <= set(PipelineEngine._FORWARD_HANDLERS)
 
 
 def _imports(path: Path) -> set[str]:

@@ -47,7 +47,8 @@ _DIRECTION = {RECV_FWD: FWD, RECV_BWD: BWD}
 
 @dataclass
 class _Step:
-    """One :meth:`PipelineEngine.run_step`'s state, which its handlers share.
+    """One :meth:`PipelineEngine.run_step`'s (or ``run_forward``'s) state, which
+    its handlers share.
 
     Tensors are keyed (microbatch, chunk), received ones (kind, microbatch,
     chunk); ``recvs`` are the step's receives in list order, the first
@@ -301,56 +302,42 @@ class PipelineEngine:
         """Run a forward-only action list (:func:`hetpipe.pipeline.schedules.forward_only`)
         without autograd: no graph is built, and a boundary activation is
         dropped once its send is posted (the send handle keeps it until the
-        transfer is done). Receives are posted ahead as in :meth:`run_step`.
+        transfer is done). Receives are posted ahead by :meth:`_receive`, as in
+        :meth:`run_step`.
 
         Returns each microbatch's loss, in microbatch order, on the rank that
         holds the last virtual stage, else None.
         """
-        received: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        posted: dict[tuple[int, int], tuple[torch.Tensor, Handle]] = {}
-        sends: list[Handle] = []
-        losses: dict[int, torch.Tensor] = {}
-        recvs = [a for a in actions if a.kind == RECV_FWD]
-        next_recv = done_recvs = 0
-
-        def post_until(limit: int) -> None:
-            nonlocal next_recv
-            while next_recv < min(len(recvs), limit):
-                a = recvs[next_recv]
-                buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
-                posted[(a.microbatch, a.chunk)] = (buf, self.links[a.peer].irecv(buf, microbatch=a.microbatch,
-                                                                                 kind=FWD))
-                next_recv += 1
-
+        step = _Step(microbatches, [a for a in actions if a.kind == RECV_FWD])
         with torch.no_grad():
             for action in actions:
-                key = (action.microbatch, action.chunk)
-                if action.kind == RECV_FWD:
-                    post_until(done_recvs + self.recv_ahead)
-                    buf, handle = posted.pop(key)
-                    handle.wait()
-                    received[key] = buf
-                    done_recvs += 1
-                    post_until(done_recvs + self.recv_ahead)
-                elif action.kind == FWD:
-                    tokens, labels = microbatches[action.microbatch]
-                    chunk = self.chunks[action.chunk]
-                    x = tokens.to(self.device, non_blocking=True) if chunk.is_first else received.pop(key)
-                    with self._compute(action.chunk):
-                        out = chunk(x, labels.to(self.device, non_blocking=True) if chunk.is_last else None,
-                                    tokens=tokens)
-                    if chunk.is_last:
-                        losses[action.microbatch] = out
-                    elif action.chunk in self.local_output:
-                        received[(action.microbatch, self.local_output[action.chunk])] = out
-                    else:
-                        outputs[key] = out
-                elif action.kind == SEND_FWD:
-                    sends.append(self.links[action.peer].isend(outputs.pop(key), microbatch=action.microbatch,
-                                                               kind=FWD))
-                else:
+                handler = self._FORWARD_HANDLERS.get(action.kind)
+                if handler is None:
                     raise ValueError(f"pipeline action {action} in a forward-only run")
-        for handle in sends:
+                handler(self, step, action)
+        for handle in step.sends:
             handle.wait()
-        return [losses[m] for m in range(len(microbatches))] if losses else None
+        return [step.losses[m] for m in range(len(microbatches))] if step.losses else None
+
+    def _forward_only(self, step: _Step, action: Action) -> None:
+        """A forward without a graph: its output goes to the loss, to this rank's
+        next chunk, or to the send that follows (which drops it)."""
+        tokens, labels = step.microbatches[action.microbatch]
+        chunk = self.chunks[action.chunk]
+        x = tokens.to(self.device, non_blocking=True) if chunk.is_first else \
+            step.received.pop((FWD, action.microbatch, action.chunk))
+        with self._compute(action.chunk):
+            out = chunk(x, labels.to(self.device, non_blocking=True) if chunk.is_last else None, tokens=tokens)
+        if chunk.is_last:
+            step.losses[action.microbatch] = out
+        elif action.chunk in self.local_output:
+            step.received[(FWD, action.microbatch, self.local_output[action.chunk])] = out
+        else:
+            step.outputs[(action.microbatch, action.chunk)] = out
+
+    def _send_forward_only(self, step: _Step, action: Action) -> None:
+        out = step.outputs.pop((action.microbatch, action.chunk))
+        step.sends.append(self.links[action.peer].isend(out, microbatch=action.microbatch, kind=FWD))
+
+    # What a forward-only list (validation) may hold -> what runs it.
+    _FORWARD_HANDLERS = {RECV_FWD: _receive, FWD: _forward_only, SEND_FWD: _send_forward_only}
