@@ -39,6 +39,13 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 240,
     return subprocess.run([python, *args], cwd=cwd or REPO, env=env, text=True, capture_output=True, timeout=timeout)
 
 
+def torchrun(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of ``python -m torch.distributed.run ARGS``: torchrun and
+    the workers it starts (with $PYTHON_EXEC) fork from this worker's zygote (tests/cli_zygote.py)."""
+    python = python_shim(USUAL_ENV)
+    return [python, "-m", "torch.distributed.run", *args], dict(env, PYTHON_EXEC=python)
+
+
 def run_pretrain(run_dir: Path, args: list[str], timeout: float = 240) -> tuple[subprocess.CompletedProcess, list]:
     """``python -m hetpipe.pretrain <args>`` into ``run_dir``; must succeed.
     Returns the process and the rows of its metrics.jsonl."""

@@ -21,7 +21,6 @@ import os
 import select
 import socket
 import subprocess
-import sys
 import time
 from datetime import timedelta
 
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from channel_harness import CTX, NAMES, Ranks, bits_equal, make
-from conftest import REPO
+from conftest import REPO, torchrun
 from hetpipe.comm.channel import ChannelError, encode_header, header_for
 from hetpipe.comm.handshake import (
     CHALLENGE_SIZE,
@@ -407,12 +406,12 @@ def test_hetpipes_own_launcher_draws_a_secret_only_when_none_is_configured(tmp_p
 @pytest.mark.timeout(120)
 def test_torchrun_without_a_secret_stops_with_one_line(tmp_path, corpus_prefix):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_JOB_TOKEN")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "hetpipe.pretrain", "+model=tiny_llama", "cluster=cpu_mixed", "train.train_iters=1",
-         "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8", "model.hidden_size=64",
-         "model.ffn_hidden_size=160", f"data.path={corpus_prefix}", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=110)
+    cmd, env = torchrun(
+        ["--standalone", "--nproc-per-node", "2", "-m", "hetpipe.pretrain", "+model=tiny_llama", "cluster=cpu_mixed",
+         "train.train_iters=1", "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8",
+         "model.hidden_size=64", "model.ffn_hidden_size=160", f"data.path={corpus_prefix}",
+         f"hydra.run.dir={tmp_path}"], env)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=110)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hetpipe: error:")]
     assert errors and all("no job secret: set HETPIPE_JOB_TOKEN" in line for line in errors), proc.stderr[-3000:]

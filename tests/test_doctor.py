@@ -13,14 +13,13 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import run_cli
+from conftest import run_cli, torchrun
 from hetpipe.comm.nics import Nic
 from hetpipe.doctor.facts import config_hash, file_digest
 from hetpipe.doctor.probe import ProbeServer, probe
@@ -201,15 +200,18 @@ def run_nodes(args: list[list[str]], envs: list[dict[str, str]], cwd: Path, host
               launcher_args: list[list[str]] | None = None) -> list[subprocess.CompletedProcess]:
     """One torchrun per node (``--nproc-per-node 1``, c10d rendezvous at ``host``):
     node K runs ``prefixes[K] torchrun launcher_args[K] ... -m hetpipe.doctor args[K]``
-    with ``envs[K]`` added to the environment."""
+    with ``envs[K]`` added to the environment. c10d numbers the nodes in the order of
+    their addresses (then process ids): without launcher_args node K gives 127.0.0.K+1,
+    so torchrun's node K is node K, however fast each starts."""
     port = free_port()
     procs = []
     for k, (node_args, node_env) in enumerate(zip(args, envs)):
-        cmd = [*(prefixes[k] if prefixes else []), sys.executable, "-m", "torch.distributed.run",
-               *(launcher_args[k] if launcher_args else []),
-               "--nnodes", str(len(args)), "--node-rank", str(k), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"{host}:{port}", "-m", "hetpipe.doctor", *node_args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **node_env)
+        cmd, env = torchrun([*(launcher_args[k] if launcher_args else ["--local-addr", f"127.0.0.{k + 1}"]),
+                             "--nnodes", str(len(args)),
+                             "--node-rank", str(k), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", f"{host}:{port}", "-m", "hetpipe.doctor", *node_args],
+                            dict(os.environ, PYTHONUNBUFFERED="1", **node_env))
+        cmd = [*(prefixes[k] if prefixes else []), *cmd]
         procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE))
     done = []
@@ -240,8 +242,8 @@ def test_two_clean_nodes_compare_and_measure_each_nic_pair(tmp_path):
 
 
 def test_a_node_takes_its_place_from_the_cluster_config_not_from_torchrun(tmp_path):
-    # torchrun's c10d rendezvous numbers the nodes by host, here in start
-    # order; launch_cluster.sh exports each node's index in the config's group
+    # torchrun's c10d rendezvous numbers the nodes by address (run_nodes);
+    # launch_cluster.sh exports each node's index in the config's group
     # order: the node torchrun places first is the config's node 1 (amd).
     placed = [{"HETPIPE_NODE_RANK": "1", "HETPIPE_FIRST_RANK": "1"},
               {"HETPIPE_NODE_RANK": "0", "HETPIPE_FIRST_RANK": "0"}]

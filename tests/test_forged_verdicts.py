@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import REPO
+from conftest import REPO, torchrun
 from hetpipe.errors import EXIT_CRASH, EXIT_LOST_PEER
 from hetpipe.launch import verdicts
 from hetpipe.launch.store_seal import Seal
@@ -160,9 +160,9 @@ def test_torchrun_without_a_secret_stops_at_start_even_without_socket_channels(t
     # gloo carries the boundary, so no channel needs the secret; the verdicts still do.
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_JOB_TOKEN")}
     begun = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "hetpipe.pretrain", *TINY, "cluster.transport.kind=gloo", "train.train_iters=2",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, text=True, capture_output=True, timeout=110)
+    cmd, env = torchrun(["--standalone", "--nproc-per-node", "2", "-m", "hetpipe.pretrain", *TINY,
+                         "cluster.transport.kind=gloo", "train.train_iters=2", f"hydra.run.dir={tmp_path}"], env)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=110)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hetpipe: error:")]
     print(f"exit {proc.returncode} after {time.monotonic() - begun:.1f} s")
     assert proc.returncode != 0 and not rows(tmp_path), proc.stderr[-3000:]

@@ -17,6 +17,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 
 def main(path: str, python: str, script_only: list[str], argv: list[str]) -> None:
+    if argv[:1] == ["-u"] and os.environ.get("PYTHONUNBUFFERED"):
+        argv = argv[1:]  # what the environment asks already (torchrun starts its workers `python -u -m ...`)
     if argv[:1] == ["-m"] and len(argv) > 1:
         command = {"module": argv[1], "args": argv[2:]}
     elif argv and not argv[0].startswith("-") and os.path.isfile(argv[0]):
