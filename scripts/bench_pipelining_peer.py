@@ -25,8 +25,9 @@ in pipeline order), or two per-rank counts that are halved into the V
 (17,15 -> 9,8,7,8: rank 0 keeps 17 layers, rank 1 15); rank 0 holds the
 embedding and the head, so a tied embedding's two gradients add there.
 
-The script spawns its two ranks itself (NCCL with one GPU per rank on
-``--device cuda``, gloo on ``--device cpu``). Rank r builds stage r exactly as
+The script starts its two ranks itself, forked from one server that imported
+it once (NCCL with one GPU per rank on ``--device cuda``, gloo on ``--device
+cpu``). Rank r builds stage r exactly as
 our trainer does: ``build_model(cfg, seed, units=plan.unit_ranges()[r])``, so
 the same seed gives the same weights, and reads the same microbatches from the
 same :class:`MicrobatchLoader`. The optimizer is our ``build_optimizer`` (fused
@@ -369,7 +370,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="peer-") as workdir:
         failure: Optional[BaseException] = None
         try:
-            mp.spawn(run_rank, args=(opts, _free_port(), workdir), nprocs=NUM_RANKS, join=True)
+            # The ranks fork from one server that imported this script (torch, hetpipe) once,
+            # as hetpipe.launch's ranks do, instead of two interpreters importing it each.
+            mp.set_forkserver_preload(["__main__"])
+            mp.start_processes(run_rank, args=(opts, _free_port(), workdir), nprocs=NUM_RANKS, join=True,
+                               start_method="forkserver")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             failure = exc
         steps_file = Path(workdir) / "steps.jsonl"
