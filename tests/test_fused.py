@@ -29,8 +29,9 @@ def test_fused_model_matches_eager_loss_and_gradients(name, one_thread):
     assert switched and all(m.fused for m in switched)
     assert not any(getattr(m, "fused", False) for m in eager.modules())
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
+    # The shape test_cost_model_counts_the_activations_a_layer_keeps profiles: its layers reuse these compiles.
+    tokens = torch.randint(0, cfg.vocab_size, (2, 128), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (2, 128), generator=gen)
     for model in (eager, fused):
         model(tokens, labels).backward()
     torch.testing.assert_close(fused(tokens, labels), eager(tokens, labels), rtol=1e-5, atol=1e-6)
@@ -162,8 +163,9 @@ def test_attention_backend_is_preferred_and_falls_back(one_thread):
         TrainConfig(attention_backend="fa3")
     cfg = model_preset("tiny_llama")
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (2, 48), generator=gen)
+    # The shape test_cost_model_counts_the_activations_a_layer_keeps profiles: its layers reuse these compiles.
+    tokens = torch.randint(0, cfg.vocab_size, (2, 128), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (2, 128), generator=gen)
     losses = {}
     for backend in ("auto", "cudnn", "math"):
         model = build_model(cfg, seed=3)
