@@ -86,12 +86,16 @@ def fork_servers_started(log: Path) -> int:
 # in collection order (--no-loadscope-reorder). Handing out the longest
 # modules first keeps the last minutes from running on one worker: these were
 # the slowest, longest first, in the last measured run (docs/benchmarks.md,
-# "The suite's time").
+# "The suite's time, fourth step").
 LONGEST_MODULES_FIRST = (
-    "test_nic_faults.py", "test_fused.py", "test_bench_peer.py", "test_launcher_restart.py", "test_pipeline.py",
-    "test_parallel_tp.py", "test_determinism.py", "test_pretrain.py", "test_parallel_cli.py",
-    "test_checkpoint_resume.py", "test_zero_bubble.py", "test_fd_limit.py", "test_partitioner_cli.py",
-    "test_doctor.py", "test_memory_fit.py", "test_node_faults.py", "test_forged_verdicts.py", "test_families.py",
+    "test_fused.py", "test_launcher_restart.py", "test_nic_faults.py", "test_parallel_tp.py",
+    "test_node_faults.py", "test_pretrain.py", "test_pipeline.py", "test_determinism.py", "test_fd_limit.py",
+    "test_parallel_cli.py", "test_partitioner_cli.py", "test_checkpoint_resume.py", "test_forged_verdicts.py",
+    "test_zero_bubble.py", "test_memory_fit.py", "test_partitioner_solver.py", "test_context_pipeline.py",
+    "test_bench_peer.py", "test_torch_compat.py", "test_bench_driver.py", "test_precision.py",
+    "test_families.py", "test_doctor.py", "test_compare_harness.py", "test_two_nodes.py",
+    "test_scheduler_env.py", "test_mooncake_mover.py", "test_data_preprocess.py", "test_channel_auth.py",
+    "test_long_runs.py",
 )
 
 

@@ -222,4 +222,4 @@ def test_a_rank_s_traceback_is_kept_in_pretrain_log(tmp_path):
     assert "Traceback (most recent call last):" in log
     assert "RuntimeError: injected fault at step of step 2 on rank 1" in log
     errors = [x for x in proc.stderr.splitlines() if x.startswith("hetpipe: error:")]
-    assert errors and all(x in log.splitlines() for x in errors), proc.stderr
+    assert errors and all(x in log.splitlines() for x in errors), f"stderr:\n{proc.stderr}\npretrain.log:\n{log[-3000:]}"
