@@ -56,6 +56,8 @@ more that records what each rank holds at its memory peak (train.memory_snapshot
 formula), tokens/s, MFU, peak memory per GPU, each variant's ratio to nccl
 (and nccl's to the peer), and the measured step time beside the cost model's
 prediction for the same plan; writes ``results.json`` and ``results.md`` to --out.
+Each run starts as ``$PYTHON -m hetpipe.pretrain ...`` (or the peer's script),
+``PYTHON`` defaulting to this interpreter, as scripts/launch_cluster.sh does.
 
 Example (2xH200):
   python scripts/bench_pp2_llm.py --out runs/bench8b --model llama8b --seq-length 8192 \\
@@ -84,8 +86,8 @@ from bench_plans import Split, planned_split, predicted, ran_split  # noqa: E402
 from peer_options import SCHEDULES as PEER_SCHEDULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# The interpreter every run starts with (tests put a fake runner behind it).
-PYTHON = [sys.executable]
+# The interpreter every run starts with: $PYTHON, else this one (tests put a fake runner behind it).
+PYTHON = [os.environ.get("PYTHON") or sys.executable]
 
 VARIANTS = ("nccl", "direct", "tcp4", "tcp1", "gloo", "tp2", "nccl_ra2")
 # hetpipe's schedules with one model chunk per rank: the variants' splits are per stage.

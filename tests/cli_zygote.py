@@ -404,6 +404,7 @@ def python_shim(usual_env: dict[str, str], script_only: Iterable[str] = ()) -> s
 # HYDRA_FULL_ERROR is read when a command fails. torchrun puts TORCHRUN_WORKER_ENV in
 # each worker's environment (torch.distributed.elastic's local agent), read when the
 # worker makes its process group; PYTHON_EXEC is the python it starts them with (torchrun).
+# scripts/bench_pp2_llm.py sets PYTORCH_CUDA_ALLOC_CONF, read when CUDA's allocator starts.
 TORCHRUN_WORKER_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                        "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
@@ -412,4 +413,4 @@ TORCHRUN_WORKER_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NA
 RUN_TIME_ONLY = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
                            "MC_LOG_LEVEL", "TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING",
                            "_", "SHLVL", "PWD", "OLDPWD", "PYTHON", "NODE_RANK", "RDZV_ENDPOINT", "HYDRA_FULL_ERROR",
-                           "PYTHON_EXEC", *TORCHRUN_WORKER_ENV})
+                           "PYTHON_EXEC", "PYTORCH_CUDA_ALLOC_CONF", *TORCHRUN_WORKER_ENV})

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_cli
+from cli_zygote import python_shim
+from conftest import REPO, USUAL_ENV, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -18,7 +19,8 @@ def test_bench_driver_runs_variants_and_predicts_their_step(tmp_path, corpus_pre
     proc = run_cli(["scripts/bench_pp2_llm.py", "--out", str(out), "--gpus", "4",
                     "--model", "tiny_llama", "--seq-length", "32", "--microbatches", "4", "--layers", "2,2",
                     "--steps", "3", "--data", corpus_prefix,
-                    "--variants", "tcp4+zero1+pure+sched=zb_v,tp2+sched=zb_h1", *cpu], timeout=280)
+                    "--variants", "tcp4+zero1+pure+sched=zb_v,tp2+sched=zb_h1", *cpu], timeout=280,
+                   env={"PYTHON": python_shim(USUAL_ENV)})  # its runs fork from the zygote too
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())["results"]
     pp_dp = results["tcp4+zero1+pure+sched=zb_v"]
