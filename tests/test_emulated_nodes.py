@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -173,6 +174,11 @@ def test_everything_is_removed_when_the_body_raises(netns_available):
             prefix = nodes.prefix
             assert len([name for name in emu.list_namespaces() if name.startswith(prefix)]) == 4
             sleeper = emu.run_in(nodes[2], ["sleep", "30"])
+            # Inside once `ip netns exec` has become sleep (on a busy machine the body could
+            # otherwise end first, and `ip` find the namespace gone: exit 255).
+            until = time.monotonic() + 10
+            while Path(f"/proc/{sleeper.pid}/comm").read_text().strip() != "sleep" and time.monotonic() < until:
+                time.sleep(0.01)
             raise RuntimeError("body failed")
     assert not [name for name in emu.list_namespaces() if name.startswith(prefix)]
     assert sleeper.wait(timeout=5) == -signal.SIGKILL  # a process inside would have kept its namespace alive
